@@ -1,0 +1,33 @@
+# eagle3-ops — every target bootstraps .venv by itself.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup test demo bench lint clean
+
+setup: $(STAMP)
+
+# torch is pinned and installed first so that the `train` extra never pulls a
+# multi-GB GPU build (this machine's pip takes the CPU wheel already on disk).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[train,dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/eagle3 demo
+
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check bot handlers pipeline tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

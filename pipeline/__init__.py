@@ -1,0 +1,1 @@
+"""eagle3-ops pipeline package."""

@@ -1,0 +1,235 @@
+"""The eagle3.toml configuration: pydantic models, lookup and one-line errors.
+
+Every setting is declared once, with its default and a description; the docs test
+and `eagle3 check-config` iterate these models.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pipeline.errors import ConfigError
+
+STAGE_NAMES = ("server", "extract", "train")
+PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
+DEFAULT_CONFIG_NAME = "eagle3.toml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageConfig(_Section):
+    """One pipeline stage: what to run and how to supervise it."""
+
+    argv: list[str] = Field(default_factory=list, description="Command as a list of arguments; never a shell string.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the stage.")
+    cwd: str | None = Field(default=None, description="Working directory (default: the config's directory).")
+    gpus: list[int] = Field(default_factory=list, description="GPU indices, exported as CUDA_VISIBLE_DEVICES.")
+    log: str | None = Field(default=None, description="Log file (default: <state dir>/logs/<stage>.log).")
+    restart: Literal["never", "on-failure"] = Field(default="never", description="Restart policy when the stage dies.")
+    max_restarts: int = Field(default=3, ge=0, description="Restarts allowed under on-failure.")
+    restart_backoff_s: float = Field(default=10.0, ge=0, description="First restart delay; doubles each time.")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpu_list(cls, value: object) -> object:
+        if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+            raise ValueError(f"expected a list of GPU indices such as [0, 1, 2, 3], got {_show(value)}")
+        return value
+
+    @field_validator("argv", mode="before")
+    @classmethod
+    def _argv_list(cls, value: object) -> object:
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise ValueError(f'expected a list of strings such as ["python", "-m", "x"], got {_show(value)}')
+        return value
+
+
+class ServerStage(StageConfig):
+    """The SGLang server holding the target model."""
+
+    url: str = Field(default="http://127.0.0.1:30000", description="Base URL for /health_generate, /get_server_info, /metrics.")
+    port: int = Field(default=30000, ge=1, le=65535, description="Port the server listens on (checked free after a stop).")
+
+
+class ExtractStage(StageConfig):
+    """The hidden-state extraction client."""
+
+    data: str | None = Field(default=None, description="Dataset JSONL, one sample a line with input_ids.")
+    out: str | None = Field(default=None, description="Output directory; its manifest.sqlite is the progress authority.")
+
+
+class TrainStage(StageConfig):
+    """The torchrun draft-head trainer."""
+
+    out: str | None = Field(default=None, description="Checkpoint directory; holds progress.jsonl.")
+
+
+class Stages(_Section):
+    """The three pipeline stages."""
+
+    server: ServerStage = Field(default_factory=ServerStage, description="SGLang server stage.")
+    extract: ExtractStage = Field(default_factory=ExtractStage, description="Extraction stage.")
+    train: TrainStage = Field(default_factory=TrainStage, description="Training stage.")
+
+
+class SlackConfig(_Section):
+    """Where the bot posts and who may act through it."""
+
+    channel: str | None = Field(default=None, description="Channel id for progress posts and alerts.")
+    allowed_user_ids: list[str] = Field(default_factory=list, description="Users allowed to take mutating actions.")
+    allowed_channel_ids: list[str] = Field(default_factory=list, description="Channels the bot answers in (empty: any).")
+    oncall_user_ids: list[str] = Field(default_factory=list, description="Users @-mentioned on alerts.")
+    post_interval_min: float = Field(default=30, gt=0, description="Minutes between scheduled progress updates.")
+
+
+class MonitorConfig(_Section):
+    """The sampler and stall detector."""
+
+    tick_s: float = Field(default=10.0, gt=0, description="Seconds between observations.")
+    stall_floor_s: float = Field(default=120.0, gt=0, description="Shortest no-progress time that can count as a stall.")
+
+
+class HandoffConfig(_Section):
+    """The extraction-to-training handoff."""
+
+    max_failed_share: float = Field(default=0.001, ge=0, le=1, description="Largest failed share that still counts as complete.")
+    server_stop_grace_s: float = Field(default=60.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping the server.")
+
+
+class StateConfig(_Section):
+    """Where eagle3 keeps its own state."""
+
+    dir: str = Field(default=".eagle3", description="State directory (store, stage logs).")
+    log_max_bytes: int = Field(default=100_000_000, gt=0, description="Rotate a stage log past this size.")
+    log_keep: int = Field(default=3, ge=1, description="Rotated log files kept per stage.")
+
+
+class Config(_Section):
+    """A whole eagle3.toml."""
+
+    stages: Stages = Field(default_factory=Stages, description="The pipeline stages.")
+    slack: SlackConfig = Field(default_factory=SlackConfig, description="Slack settings (secrets come from the environment).")
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Monitoring settings.")
+    handoff: HandoffConfig = Field(default_factory=HandoffConfig, description="Handoff settings.")
+    state: StateConfig = Field(default_factory=StateConfig, description="State settings.")
+
+
+class Workspace:
+    """A loaded config plus the directory its relative paths are resolved against."""
+
+    def __init__(self, *, config: Config, path: Path) -> None:
+        self.config = config
+        self.path = path.resolve()
+        self.root = self.path.parent
+
+    def resolve(self, value: str | None) -> Path | None:
+        """Resolve a configured path against the config's directory (None stays None)."""
+        if value is None:
+            return None
+        p = Path(os.path.expanduser(value))
+        return p if p.is_absolute() else self.root / p
+
+    @property
+    def state_dir(self) -> Path:
+        """Directory holding the store and stage logs."""
+        return self.resolve(self.config.state.dir)
+
+    @property
+    def store_path(self) -> Path:
+        """The sqlite state store."""
+        return self.state_dir / "state.sqlite"
+
+    def stage(self, name: str) -> StageConfig:
+        """The configuration of stage `name`."""
+        return getattr(self.config.stages, name)
+
+    def log_path(self, name: str) -> Path:
+        """Where stage `name` writes its output."""
+        configured = self.stage(name).log
+        return self.resolve(configured) if configured else self.state_dir / "logs" / f"{name}.log"
+
+    def require_filled(self, name: str) -> None:
+        """Refuse, naming the key, when stage `name` still holds a template placeholder."""
+        stage = self.stage(name)
+        if not stage.argv:
+            raise ConfigError(f"{self.path.name}: stages.{name}.argv is empty; set the command to run for {name}")
+        for key, value in stage.model_dump().items():
+            for text in _strings(value):
+                found = PLACEHOLDER.search(text)
+                if found:
+                    raise ConfigError(
+                        f"{self.path.name}: stages.{name}.{key} still holds the placeholder {found.group(0)}; "
+                        f"replace it before starting {name}"
+                    )
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, str)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, str)]
+    return []
+
+
+def _show(value: object) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def _format_error(name: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"{name}: {where}: unknown setting; check its spelling against `eagle3 init` or deploy/eagle3.example.toml"
+    msg = first["msg"].removeprefix("Value error, ")
+    if kind == "value_error":
+        return f"{name}: {where}: {msg}"
+    return f"{name}: {where}: {msg[0].lower()}{msg[1:]}, got {_show(first.get('input'))}"
+
+
+def parse_config(text: str, *, name: str) -> Config:
+    """Parse and validate TOML text; raise ConfigError with one line on failure."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{name}: not valid TOML: {exc}; fix the syntax at that line") from None
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(name, exc)) from None
+
+
+def load_workspace(path: Path) -> Workspace:
+    """Read and validate the config at `path`."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file; create one with `eagle3 init` or pass --config FILE") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc}); check the path and its permissions") from None
+    return Workspace(config=parse_config(text, name=path.name), path=path)
+
+
+def find_config(explicit: str | None) -> Path:
+    """Config lookup order: --config, then $EAGLE3_CONFIG, then ./eagle3.toml."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get("EAGLE3_CONFIG")
+    if env:
+        return Path(env)
+    local = Path.cwd() / DEFAULT_CONFIG_NAME
+    if local.exists():
+        return local
+    raise ConfigError(
+        f"no config found: pass --config FILE, set EAGLE3_CONFIG, or run `eagle3 init` to write ./{DEFAULT_CONFIG_NAME}"
+    )

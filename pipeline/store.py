@@ -1,0 +1,182 @@
+"""The sqlite state store: runs, stage processes, observations, events, audit.
+
+WAL mode with a busy timeout so the service, the CLI and stage runners can share
+it. The schema evolves through named, transactional sqlite-utils migrations. A
+file that is not a readable eagle3 store is an error and is never recreated:
+silently starting over would forget running stages and their evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlite_utils import Database, Migrations
+
+from pipeline.errors import StoreError
+
+BUSY_TIMEOUT_S = 10.0
+migrations = Migrations("eagle3")
+
+
+@migrations()
+def m001_core(db: Database) -> None:
+    db["runs"].create({"id": str, "opened_at": float, "closed_at": float, "close_reason": str}, pk="id")
+    db["stage_procs"].create(
+        {
+            "id": int, "run_id": str, "stage": str, "state": str, "pid": int, "pgid": int,
+            "create_time": float, "runner_pid": int, "runner_create_time": float, "argv": str,
+            "log": str, "started_at": float, "ended_at": float, "exit_code": int, "signal": int,
+            "stop_requested": int, "reason": str,
+        },
+        pk="id",
+    )
+    db["stage_procs"].create_index(["stage", "id"])
+    db["events"].create({"id": int, "t": float, "run_id": str, "stage": str, "kind": str, "data": str}, pk="id")
+    db["audit"].create(
+        {"id": int, "t": float, "user": str, "channel": str, "action": str, "outcome": str, "detail": str}, pk="id"
+    )
+    db["kv"].create({"key": str, "value": str}, pk="key")
+
+
+@migrations()
+def m002_observations(db: Database) -> None:
+    db["observations"].create({"id": int, "t": float, "stage": str, "run_id": str, "data": str}, pk="id")
+    db["observations"].create_index(["stage", "t"])
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    return conn
+
+
+class Store:
+    """Typed access to the state store; one instance per process."""
+
+    def __init__(self, path: Path, *, clock=time.time) -> None:
+        self.path = Path(path)
+        self.clock = clock
+        existed = self.path.exists() and self.path.stat().st_size > 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            conn = _connect(self.path)
+            if existed:
+                self._check_existing(conn)
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = FULL")
+            self.db = Database(conn)
+            migrations.apply(self.db)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(
+                f"{self.path}: not a usable eagle3 store ({exc}); move it aside to keep its evidence, "
+                "then run the command again to start a new store"
+            ) from None
+
+    def _check_existing(self, conn: sqlite3.Connection) -> None:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "_sqlite_migrations" not in tables:
+            raise sqlite3.DatabaseError("it holds no eagle3 schema")
+        if conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            raise sqlite3.DatabaseError("integrity check failed")
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.db.conn.close()
+
+    @contextmanager
+    def atomic(self) -> Iterator[None]:
+        """One write transaction; IMMEDIATE so that a read-then-write in two processes queues
+        on the busy timeout instead of failing to upgrade its lock."""
+        conn = self.db.conn
+        if conn.in_transaction:
+            with self.db.atomic():
+                yield
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    # --- kv -----------------------------------------------------------------
+    def get(self, key: str, default: Any = None) -> Any:
+        """A JSON value from the kv table."""
+        row = self.db.execute("SELECT value FROM kv WHERE key = ?", [key]).fetchone()
+        return json.loads(row[0]) if row else default
+
+    def put(self, key: str, value: Any) -> None:
+        """Store a JSON value in the kv table."""
+        self.db["kv"].upsert({"key": key, "value": json.dumps(value)}, pk="key")
+
+    # --- runs ---------------------------------------------------------------
+    def open_run(self) -> str:
+        """The open run's id, opening a new run when none is open."""
+        with self.atomic():
+            row = self.db.execute("SELECT id FROM runs WHERE closed_at IS NULL ORDER BY opened_at DESC LIMIT 1").fetchone()
+            if row:
+                return row[0]
+            now = self.clock()
+            run_id = "r" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+            if self.db.execute("SELECT 1 FROM runs WHERE id = ?", [run_id]).fetchone():
+                run_id += f"-{int(now * 1000) % 1000:03d}"
+            self.db["runs"].insert({"id": run_id, "opened_at": now})
+            self.add_event(kind="run-opened", run_id=run_id)
+            return run_id
+
+    def current_run(self) -> str | None:
+        """The open run's id, or None."""
+        row = self.db.execute("SELECT id FROM runs WHERE closed_at IS NULL ORDER BY opened_at DESC LIMIT 1").fetchone()
+        return row[0] if row else None
+
+    def close_run(self, run_id: str, *, reason: str) -> None:
+        """Close a run (training ended, or everything stopped)."""
+        self.db.execute("UPDATE runs SET closed_at = ?, close_reason = ? WHERE id = ? AND closed_at IS NULL",
+                        [self.clock(), reason, run_id])
+        self.add_event(kind="run-closed", run_id=run_id, data={"reason": reason})
+
+    # --- stage processes ----------------------------------------------------
+    def insert_proc(self, row: dict) -> int:
+        """Record a new stage process; returns its row id."""
+        return self.db["stage_procs"].insert(row).last_pk
+
+    def update_proc(self, proc_id: int, **fields: Any) -> None:
+        """Update fields of one stage-process row."""
+        self.db["stage_procs"].update(proc_id, fields)
+
+    def proc(self, proc_id: int) -> dict | None:
+        """One stage-process row by id."""
+        rows = list(self.db["stage_procs"].rows_where("id = ?", [proc_id]))
+        return rows[0] if rows else None
+
+    def latest_proc(self, stage: str) -> dict | None:
+        """The most recent process row of a stage."""
+        rows = list(self.db["stage_procs"].rows_where("stage = ?", [stage], order_by="id desc", limit=1))
+        return rows[0] if rows else None
+
+    # --- events and audit ---------------------------------------------------
+    def add_event(self, *, kind: str, run_id: str | None = None, stage: str | None = None, data: dict | None = None) -> int:
+        """Append an event (state changes, exits, handoff steps, actions)."""
+        return self.db["events"].insert(
+            {"t": self.clock(), "run_id": run_id, "stage": stage, "kind": kind, "data": json.dumps(data or {})}
+        ).last_pk
+
+    def events(self, *, after_id: int = 0, kind: str | None = None) -> list[dict]:
+        """Events after an id, oldest first, with data decoded."""
+        where, args = "id > ?", [after_id]
+        if kind:
+            where, args = where + " AND kind = ?", args + [kind]
+        return [dict(r, data=json.loads(r["data"])) for r in self.db["events"].rows_where(where, args, order_by="id")]
+
+    def audit(self, *, user: str, channel: str | None, action: str, outcome: str, detail: str = "") -> None:
+        """Record an action, allowed or refused."""
+        self.db["audit"].insert(
+            {"t": self.clock(), "user": user, "channel": channel, "action": action, "outcome": outcome, "detail": detail}
+        )

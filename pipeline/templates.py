@@ -1,0 +1,59 @@
+"""The configuration `eagle3 init` writes: a commented production template."""
+
+PRODUCTION_TEMPLATE = """\
+# eagle3-ops configuration — an 8-GPU host: SGLang server, hidden-state extraction,
+# 4-GPU torchrun training. Replace every <PLACEHOLDER>; a stage whose settings still
+# hold one refuses to start and names the key. `eagle3 check-config` validates this file.
+# Relative paths are relative to this file. Secrets (SLACK_BOT_TOKEN, SLACK_APP_TOKEN,
+# SLACK_SIGNING_SECRET) come from the environment only, never from this file.
+
+[state]
+dir = ".eagle3"              # store and stage logs
+log_max_bytes = 100_000_000  # rotate a stage log past this size
+log_keep = 3
+
+[monitor]
+tick_s = 10                  # seconds between observations
+stall_floor_s = 120          # shortest silence that may count as a stall
+
+[handoff]
+max_failed_share = 0.001     # 0.1 % failed samples still counts as complete
+server_stop_grace_s = 60     # SIGTERM, then SIGKILL after this long
+
+[slack]
+channel = "<SLACK_CHANNEL_ID>"
+allowed_user_ids = []        # who may start, stop, arm auto-start (empty: nobody)
+allowed_channel_ids = []     # where the bot answers (empty: anywhere)
+oncall_user_ids = []         # @-mentioned on alerts
+post_interval_min = 30
+
+[stages.server]
+# sglang lives in its own environment on the GPU host (it pins its own torch).
+# --enable-return-hidden-states: hidden states over HTTP; the aux-capture flags make
+# them the 3 EAGLE-3 auxiliary layers; the radix cache must be off (a prefix hit
+# returns only uncached rows); chunked prefill must cover the longest sample.
+argv = ["<SGLANG_VENV>/bin/python", "-m", "sglang.launch_server",
+        "--model-path", "<MODEL_PATH>", "--tp", "8", "--port", "30000",
+        "--enable-return-hidden-states", "--enable-return-aux-hidden-states",
+        "--speculative-algorithm", "EAGLE3", "--disable-radix-cache",
+        "--chunked-prefill-size", "32768", "--enable-metrics"]
+gpus = [0, 1, 2, 3, 4, 5, 6, 7]
+url = "http://127.0.0.1:30000"
+port = 30000
+restart = "on-failure"
+max_restarts = 3
+
+[stages.extract]
+argv = ["eagle3", "extract", "--server", "http://127.0.0.1:30000",
+        "--data", "<DATA_JSONL>", "--out", "<EXTRACT_OUT>", "--concurrency", "32"]
+data = "<DATA_JSONL>"
+out = "<EXTRACT_OUT>"
+restart = "on-failure"
+
+[stages.train]
+argv = ["torchrun", "--standalone", "--nproc-per-node", "4", "-m", "pipeline.train",
+        "--data", "<EXTRACT_OUT>", "--lm-head", "<MODEL_PATH>", "--out", "<CKPT_DIR>",
+        "--steps", "<STEPS>"]
+gpus = [0, 1, 2, 3]
+out = "<CKPT_DIR>"
+"""
