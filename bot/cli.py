@@ -1,0 +1,172 @@
+"""The `eagle3` command line: a thin loop over controller verbs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from pipeline.config import DEFAULT_CONFIG_NAME, STAGE_NAMES, load_workspace
+from pipeline.errors import UserError
+
+COMMANDS: dict[str, str] = {}  # name -> one-line help; iterated by the docs test
+
+
+def command(name: str, help_text: str):
+    """Register a subcommand handler with its one-line help."""
+    def deco(fn):
+        COMMANDS[name] = help_text
+        fn.command_name = name
+        _HANDLERS[name] = fn
+        return fn
+    return deco
+
+
+_HANDLERS: dict = {}
+
+
+def _controller(args):
+    from pipeline.controller import Controller
+    return Controller.open(args.config)
+
+
+@command("init", "write a commented production config template (never overwrites)")
+def cmd_init(args) -> int:
+    from pipeline.templates import PRODUCTION_TEMPLATE
+    target = Path(args.dir or ".") / DEFAULT_CONFIG_NAME
+    if target.exists():
+        raise UserError(f"{target}: already exists; not overwriting it (edit it, or init another directory)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(PRODUCTION_TEMPLATE)
+    print(f"wrote {target}; fill in the <PLACEHOLDERS>, then `eagle3 check-config {target}`")
+    return 0
+
+
+@command("check-config", "validate a config file without touching any state")
+def cmd_check_config(args) -> int:
+    from pipeline.config import find_config
+    path = Path(args.file) if args.file else find_config(args.config)
+    ws = load_workspace(path)
+    print(f"{path}: ok (state in {ws.state_dir})")
+    return 0
+
+
+@command("start", "start a stage under a detached runner")
+def cmd_start(args) -> int:
+    ctl = _controller(args)
+    try:
+        proc = ctl.start(args.stage)
+    finally:
+        ctl.close()
+    if proc["state"] != "running":
+        raise UserError(f"{args.stage} did not start: {proc['reason']}; see `eagle3 logs {args.stage}`")
+    print(f"started {args.stage}: pid {proc['pid']}, run {proc['run_id']}, log {proc['log']}")
+    return 0
+
+
+@command("stop", "stop a stage (or --all): SIGTERM to its process group, grace, SIGKILL")
+def cmd_stop(args) -> int:
+    from handlers.views import stop_text
+    if not args.all and not args.stage:
+        raise UserError("stop: name a stage (server, extract, train) or pass --all")
+    ctl = _controller(args)
+    try:
+        results = ctl.stop_all(grace_s=args.grace) if args.all else [ctl.stop(args.stage, grace_s=args.grace)]
+    finally:
+        ctl.close()
+    for result in results:
+        print(stop_text(result))
+    return 1 if any(r.survivors for r in results) else 0
+
+
+@command("status", "run id and each stage's state, pid, uptime, exit code, log")
+def cmd_status(args) -> int:
+    from handlers.views import status_text
+    ctl = _controller(args)
+    try:
+        status = ctl.status()
+    finally:
+        ctl.close()
+    print(json.dumps(status) if args.json else status_text(status))
+    return 0
+
+
+@command("logs", "print the last lines of a stage's log")
+def cmd_logs(args) -> int:
+    ctl = _controller(args)
+    try:
+        path, lines = ctl.logs(args.stage, lines=args.n)
+    finally:
+        ctl.close()
+    if not lines:
+        print(f"{args.stage}: no output yet in {path}", file=sys.stderr)
+    for line in lines:
+        print(line)
+    return 0
+
+
+@command("run-stage", "internal: the detached runner that owns one stage process")
+def cmd_run_stage(args) -> int:
+    from pipeline.config import find_config
+    from pipeline.runner import run_stage
+    return run_stage(ws=load_workspace(find_config(args.config)), stage=args.stage, proc_id=args.proc_id)
+
+
+@command("demo", "a short tour of what exists so far, in a temporary workspace")
+def cmd_demo(args) -> int:
+    from bot.demo import run_demo
+    return run_demo()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; --config is accepted before or after the subcommand."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=argparse.SUPPRESS,
+                        help="config file (default: $EAGLE3_CONFIG, then ./eagle3.toml)")
+    parser = argparse.ArgumentParser(prog="eagle3", parents=[common],
+                                     description="Operate an EAGLE-3 draft-model training pipeline.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = {name: sub.add_parser(name, parents=[common], help=text, description=text) for name, text in COMMANDS.items()}
+    p["init"].add_argument("dir", nargs="?", help="directory to write eagle3.toml into (default: .)")
+    p["check-config"].add_argument("file", nargs="?", help="config to check (default: the usual lookup)")
+    p["start"].add_argument("stage", choices=STAGE_NAMES)
+    p["stop"].add_argument("stage", nargs="?", choices=STAGE_NAMES)
+    p["stop"].add_argument("--all", action="store_true", help="stop every stage and close the run")
+    p["stop"].add_argument("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL")
+    p["status"].add_argument("--json", action="store_true", help="one JSON object")
+    p["logs"].add_argument("stage", choices=STAGE_NAMES)
+    p["logs"].add_argument("-n", type=int, default=50, help="lines to show (default 50)")
+    p["run-stage"].add_argument("--stage", required=True, choices=STAGE_NAMES)
+    p["run-stage"].add_argument("--proc-id", required=True, type=int)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `eagle3` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    args.config = getattr(args, "config", None)
+    try:
+        return _HANDLERS[args.command](args)
+    except UserError as exc:
+        print(f"eagle3: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("eagle3: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the user gets one line, never a traceback
+        if os.environ.get("EAGLE3_DEBUG"):
+            traceback.print_exc()
+        print(f"eagle3: unexpected error in {args.command}: {type(exc).__name__}: {exc} "
+              "(set EAGLE3_DEBUG=1 to see the traceback, and please report it)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

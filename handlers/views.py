@@ -1,0 +1,63 @@
+"""Text renderings for the terminal and the console transport (all user-facing wording)."""
+
+from __future__ import annotations
+
+import time
+
+
+def ago(seconds: float | None) -> str:
+    """A short human duration such as '4h 48m' or '12s' ('unknown' for None)."""
+    if seconds is None:
+        return "unknown"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, _ = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours < 48 else f"{hours // 24}d {hours % 24}h"
+
+
+def clock_time(t: float | None) -> str:
+    """Local wall-clock time of a unix timestamp."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def stage_line(name: str, st: dict) -> str:
+    """One stage of `eagle3 status` as a line."""
+    state = st["state"]
+    parts = [f"{name:<8} {state:<11}"]
+    if st.get("pid"):
+        parts.append(f"pid {st['pid']}")
+    if state == "running":
+        parts.append(f"up {ago(st.get('uptime_s'))}")
+    elif st.get("ended_at"):
+        how = f"exit {st['exit_code']}" if st.get("exit_code") is not None else (
+            f"signal {st['signal']}" if st.get("signal") else "exit status unknown")
+        parts.append(f"{how} at {clock_time(st['ended_at'])}")
+    if st.get("reason") and not st["reason"].startswith(("exit code", "killed by signal")):
+        parts.append(f"({st['reason']})")
+    return "  ".join(parts)
+
+
+def status_text(status: dict) -> str:
+    """The whole `eagle3 status` text."""
+    lines = [f"run: {status['run'] or 'none open'}"]
+    for name, st in status["stages"].items():
+        lines.append(stage_line(name, st))
+        lines.append(f"{'':<8} log: {st['log']}")
+    return "\n".join(lines)
+
+
+def stop_text(result) -> str:
+    """One line per stopped stage, naming any survivors."""
+    if not result.was_running:
+        return f"{result.stage}: not running"
+    how = "stopped (SIGKILL needed after the grace period)" if result.escalated else "stopped"
+    if result.note:
+        how += f"; {result.note}"
+    if result.survivors:
+        who = ", ".join(f"{m.pid} ({m.name})" for m in result.survivors)
+        return f"{result.stage}: {how}, but these processes of its group survived: {who}"
+    return f"{result.stage}: {how}"

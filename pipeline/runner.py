@@ -1,0 +1,74 @@
+"""`eagle3 run-stage`: the small detached runner that owns one stage process.
+
+It starts the stage in a new session (so its process group can be signalled as a
+whole), copies its output into the rotating stage log, forwards SIGTERM to the
+group, and records the exit status in the store. It lives in a session of its own,
+apart from the stage's, so a SIGKILL to the stage's group leaves it alive to record
+what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+
+from pipeline.config import Workspace
+from pipeline.host import RealHost
+from pipeline.logfile import RotatingLog
+from pipeline.states import StageState, transition
+from pipeline.store import Store
+from pipeline.supervisor import record_exit
+
+DRAIN_AFTER_EXIT_S = 5.0
+
+
+def stage_env(ws: Workspace, stage: str) -> dict[str, str]:
+    """The environment a stage runs with: ours, its configured env, its GPUs."""
+    cfg = ws.stage(stage)
+    env = dict(os.environ, **cfg.env, PYTHONUNBUFFERED="1")
+    if cfg.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
+    return env
+
+
+def _copy_output(src, log: RotatingLog) -> None:
+    for chunk in iter(lambda: os.read(src.fileno(), 65536), b""):
+        log.write(chunk)
+
+
+def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
+    """Run one stage process to its end; returns the runner's own exit status."""
+    store = Store(ws.store_path)
+    host = RealHost()
+    proc = store.proc(proc_id)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    log = RotatingLog(ws.log_path(stage), max_bytes=ws.config.state.log_max_bytes, keep=ws.config.state.log_keep)
+    cfg = ws.stage(stage)
+    try:
+        child = subprocess.Popen(
+            json.loads(proc["argv"]), cwd=str(ws.resolve(cfg.cwd) or ws.root), env=stage_env(ws, stage),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    except OSError as exc:
+        log.write(f"eagle3: cannot start {stage}: {exc}\n".encode())
+        transition(store, proc, StageState.EXITED, ended_at=host.clock(), exit_code=127,
+                   reason=f"cannot start: {exc.strerror or exc}")
+        return 1
+
+    def forward(signum, _frame):
+        host.kill(child.pid, signum, group=True)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    store.update_proc(proc_id, pid=child.pid, pgid=child.pid, create_time=host.create_time(child.pid))
+    store.add_event(kind="stage-started", run_id=proc["run_id"], stage=stage, data={"pid": child.pid})
+    copier = threading.Thread(target=_copy_output, args=(child.stdout, log), daemon=True)
+    copier.start()
+    returncode = child.wait()
+    copier.join(DRAIN_AFTER_EXIT_S)  # a surviving grandchild may hold the pipe open
+    record_exit(store, proc_id, returncode=returncode, now=host.clock())
+    log.close()
+    return 0

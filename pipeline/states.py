@@ -1,0 +1,47 @@
+"""Stage process states and the one transition function (stdlib only)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class StageState(StrEnum):
+    """The state of a stage, as `eagle3 status` reports it."""
+
+    NOT_STARTED = "not-started"
+    RUNNING = "running"
+    EXITED = "exited"
+    STOPPED = "stopped"
+    UNKNOWN = "unknown"
+
+
+RUNNING_STATES = frozenset({StageState.RUNNING})
+ENDED_STATES = frozenset({StageState.EXITED, StageState.STOPPED})
+# A row in these states may still own live processes: never start a second copy.
+MAYBE_ALIVE_STATES = frozenset({StageState.RUNNING, StageState.UNKNOWN})
+
+_EDGES = {
+    (StageState.RUNNING, StageState.EXITED),  # RUNNING -> EXITED: ended on its own
+    (StageState.RUNNING, StageState.STOPPED),  # RUNNING -> STOPPED: ended after a requested stop
+    (StageState.RUNNING, StageState.UNKNOWN),  # RUNNING -> UNKNOWN: identity cannot be verified
+    (StageState.UNKNOWN, StageState.RUNNING),  # UNKNOWN -> RUNNING: verified again by (pid, create_time)
+    (StageState.UNKNOWN, StageState.EXITED),  # UNKNOWN -> EXITED: a late exit record, or confirmed gone
+    (StageState.UNKNOWN, StageState.STOPPED),  # UNKNOWN -> STOPPED: stopped by the operator
+}
+
+
+def transition(store, proc: dict, to: StageState, *, reason: str = "", **fields) -> None:
+    """Move a stage-process row to `to`, asserting the edge and recording an event."""
+    frm = StageState(proc["state"])
+    if frm == to and not fields:
+        return
+    if frm != to and (frm, to) not in _EDGES:
+        raise AssertionError(f"illegal stage transition {frm} -> {to}")
+    with store.atomic():
+        store.update_proc(proc["id"], state=str(to), reason=reason or proc.get("reason"), **fields)
+        if frm != to:
+            store.add_event(
+                kind=f"stage-{to}", run_id=proc["run_id"], stage=proc["stage"],
+                data={"from": str(frm), "reason": reason, **fields},
+            )
+    proc.update(state=str(to), reason=reason or proc.get("reason"), **fields)

@@ -1,0 +1,194 @@
+"""Stage supervision: start under a detached runner, verify, re-adopt, stop, record exits.
+
+Identity is always (pid, create_time), never pid alone: after a restart of the
+service a pid may belong to an unrelated process, and we never signal what we
+cannot verify.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+from pipeline.config import STAGE_NAMES, Workspace
+from pipeline.errors import StageError
+from pipeline.host import SIGKILL, SIGTERM, Member, RealHost
+from pipeline.states import MAYBE_ALIVE_STATES, StageState, transition
+from pipeline.store import Store
+
+RUNNER_START_TIMEOUT_S = 10.0
+KILL_WAIT_S = 5.0
+
+
+@dataclass
+class StopResult:
+    """What `stop` did to one stage."""
+
+    stage: str
+    was_running: bool
+    escalated: bool = False  # SIGKILL was needed
+    survivors: list[Member] = field(default_factory=list)
+    note: str = ""
+
+
+class Supervisor:
+    """Starts, verifies and stops the stages of one workspace."""
+
+    def __init__(self, *, workspace: Workspace, store: Store, host=None) -> None:
+        self.ws = workspace
+        self.store = store
+        self.host = host or RealHost()
+
+    # --- verification -------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-adopt running stages by (pid, create_time); mark unverifiable ones unknown."""
+        for stage in STAGE_NAMES:
+            proc = self.store.latest_proc(stage)
+            if proc and StageState(proc["state"]) in MAYBE_ALIVE_STATES:
+                self._reconcile(proc)
+
+    def _reconcile(self, proc: dict) -> None:
+        state = StageState(proc["state"])
+        if proc["pid"] is None:
+            if self._runner_alive(proc):
+                return  # the runner is still launching the child
+            if state == StageState.RUNNING:
+                transition(self.store, proc, StageState.UNKNOWN, reason="the runner died before the stage started")
+            return
+        seen = self.host.identity(proc["pid"], proc["create_time"])
+        if seen == "alive":
+            if state == StageState.UNKNOWN:
+                transition(self.store, proc, StageState.RUNNING, reason="re-adopted: pid and create_time match")
+        elif seen == "unverifiable":
+            if state == StageState.RUNNING:
+                transition(self.store, proc, StageState.UNKNOWN,
+                           reason=f"pid {proc['pid']} cannot be inspected (permission denied); not touching it")
+        elif not self._runner_alive(proc):
+            # Gone, and no runner left to record how it ended.
+            target = StageState.STOPPED if proc["stop_requested"] else StageState.UNKNOWN
+            if target != state:
+                transition(self.store, proc, target, ended_at=self.host.clock(),
+                           reason="the stage ended while no runner was watching; exit status unknown")
+
+    def _runner_alive(self, proc: dict) -> bool:
+        return self.host.identity(proc["runner_pid"], proc["runner_create_time"]) == "alive"
+
+    def is_running(self, stage: str) -> bool:
+        """True when the stage's latest process is verified alive."""
+        proc = self.store.latest_proc(stage)
+        return bool(proc) and proc["state"] == StageState.RUNNING
+
+    # --- start ----------------------------------------------------------------
+    def start(self, stage: str) -> dict:
+        """Start `stage` under a detached runner; returns its process row once it has a pid."""
+        self.ws.require_filled(stage)
+        self.refresh()
+        proc = self.store.latest_proc(stage)
+        if proc and StageState(proc["state"]) in MAYBE_ALIVE_STATES:
+            raise StageError(
+                f"{stage} is already {proc['state']} (pid {proc['pid']}); stop it first with `eagle3 stop {stage}`"
+            )
+        run_id = self.store.open_run()
+        argv = self.ws.stage(stage).argv
+        with self.store.atomic():
+            proc_id = self.store.insert_proc({
+                "run_id": run_id, "stage": stage, "state": str(StageState.RUNNING), "argv": json.dumps(argv),
+                "log": str(self.ws.log_path(stage)), "started_at": self.host.clock(), "stop_requested": 0,
+            })
+            self.store.add_event(kind="stage-start-requested", run_id=run_id, stage=stage, data={"argv": argv})
+        runner_argv = [sys.executable, "-m", "bot.cli", "run-stage", "--config", str(self.ws.path),
+                       "--stage", stage, "--proc-id", str(proc_id)]
+        runner_pid = self.host.spawn_detached(runner_argv, cwd=str(self.ws.root))
+        self.store.update_proc(proc_id, runner_pid=runner_pid, runner_create_time=self.host.create_time(runner_pid))
+        return self._await_pid(proc_id)
+
+    def _await_pid(self, proc_id: int) -> dict:
+        deadline = self.host.clock() + RUNNER_START_TIMEOUT_S
+        while True:
+            proc = self.store.proc(proc_id)
+            if proc["pid"] is not None or proc["state"] != StageState.RUNNING:
+                return proc
+            if self.host.clock() > deadline:
+                transition(self.store, proc, StageState.UNKNOWN,
+                           reason=f"the runner did not report a pid within {RUNNER_START_TIMEOUT_S:.0f} s")
+                return proc
+            self.host.sleep(0.05)
+
+    # --- stop -----------------------------------------------------------------
+    def stop(self, stage: str, *, grace_s: float) -> StopResult:
+        """Request a stop: SIGTERM to the group, wait `grace_s`, SIGKILL, report survivors."""
+        self.refresh()
+        proc = self.store.latest_proc(stage)
+        if not proc or StageState(proc["state"]) not in MAYBE_ALIVE_STATES:
+            return StopResult(stage=stage, was_running=False, note="not running")
+        if proc["pid"] is not None and self.host.identity(proc["pid"], proc["create_time"]) == "unverifiable":
+            raise StageError(f"{stage}: pid {proc['pid']} cannot be verified as the stage (permission denied); "
+                             "not signalling it — stop it by hand")
+        self.store.update_proc(proc["id"], stop_requested=1)
+        self.store.add_event(kind="stop-requested", run_id=proc["run_id"], stage=stage, data={"grace_s": grace_s})
+        result = StopResult(stage=stage, was_running=True)
+        # Linux never hands out a pid still used as a process-group id, so when the
+        # leader's pid is held by another process our group is gone: signal nothing.
+        if self.host.identity(proc["pid"], proc["create_time"]) == "reused":
+            result.note = f"pid {proc['pid']} now belongs to another process; nothing was signalled"
+        elif proc["pid"] is not None:
+            pgid = proc["pgid"]
+            self._signal_all(pgid, proc["create_time"], SIGTERM)
+            if not self._wait_empty(pgid, proc["create_time"], grace_s):
+                result.escalated = True
+                self._signal_all(pgid, proc["create_time"], SIGKILL)
+                self._wait_empty(pgid, proc["create_time"], KILL_WAIT_S)
+            result.survivors = self.host.members(pgid, proc["create_time"])
+        self._await_exit_record(proc)
+        return result
+
+    def _signal_all(self, pgid: int, since: float, sig: int) -> None:
+        self.host.kill(pgid, sig, group=True)
+        for member in self.host.members(pgid, since):  # session members outside the group
+            self.host.kill(member.pid, sig, group=False)
+
+    def _wait_empty(self, pgid: int, since: float, timeout_s: float) -> bool:
+        deadline = self.host.clock() + timeout_s
+        while self.host.members(pgid, since):
+            if self.host.clock() >= deadline:
+                return False
+            self.host.sleep(0.1)
+        return True
+
+    def _await_exit_record(self, proc: dict) -> None:
+        """Give the runner a moment to record the exit status; record it ourselves if it cannot."""
+        deadline = self.host.clock() + 3.0
+        while self.host.clock() < deadline:
+            row = self.store.proc(proc["id"])
+            if StageState(row["state"]) not in MAYBE_ALIVE_STATES or not self._runner_alive(row):
+                break
+            self.host.sleep(0.05)
+        row = self.store.proc(proc["id"])
+        if StageState(row["state"]) in MAYBE_ALIVE_STATES:
+            transition(self.store, row, StageState.STOPPED, ended_at=self.host.clock(),
+                       reason="stopped; exit status not recorded (no runner)")
+
+    def stop_all(self, *, grace_s: float) -> list[StopResult]:
+        """Stop every stage (training first, the server last) and close the run."""
+        results = [self.stop(stage, grace_s=grace_s) for stage in reversed(STAGE_NAMES)]
+        run_id = self.store.current_run()
+        if run_id:
+            self.store.close_run(run_id, reason="all stages stopped")
+        return results
+
+
+def record_exit(store: Store, proc_id: int, *, returncode: int, now: float, reason: str = "") -> dict:
+    """Record how a stage's process ended (called by its runner); close the run after training."""
+    proc = store.proc(proc_id)
+    fields = {"ended_at": now, "exit_code": returncode if returncode >= 0 else None,
+              "signal": -returncode if returncode < 0 else None}
+    target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
+    transition(store, proc, target, reason=reason or _describe(returncode), **fields)
+    if proc["stage"] == "train" and proc["run_id"] == store.current_run():
+        store.close_run(proc["run_id"], reason=f"training {target}")
+    return proc
+
+
+def _describe(returncode: int) -> str:
+    return f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}"
