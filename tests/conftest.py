@@ -1,0 +1,96 @@
+"""Shared fixtures: loopback-only network, workspaces, the eagle3 CLI as a subprocess."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+PY = sys.executable
+
+
+def _loopback(address) -> bool:
+    if isinstance(address, (str, bytes)):  # AF_UNIX path
+        return True
+    host = address[0]
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def _loopback_only(monkeypatch):
+    """Any test that opens a non-loopback connection fails."""
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def guard(address):
+        if not _loopback(address):
+            raise AssertionError(f"test tried to open a non-loopback connection to {address!r}")
+
+    def connect(self, address):
+        guard(address)
+        return real_connect(self, address)
+
+    def connect_ex(self, address):
+        guard(address)
+        return real_connect_ex(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+
+
+def fixture_argv(name: str, *args: str) -> list[str]:
+    """argv running one of tests/fixtures/*.py with this interpreter."""
+    return [PY, str(FIXTURES / name), *args]
+
+
+def toml_list(items: list[str]) -> str:
+    """A TOML array of strings."""
+    return json.dumps(items)
+
+
+@pytest.fixture
+def make_workspace(tmp_path):
+    """Write an eagle3.toml whose stages run fixture programs; returns its path."""
+
+    def make(stages: dict[str, list[str]] | None = None, extra: str = "") -> Path:
+        stages = stages or {}
+        parts = [extra]
+        for name, argv in stages.items():
+            parts.append(f"[stages.{name}]\nargv = {toml_list(argv)}\n")
+        cfg = tmp_path / "eagle3.toml"
+        cfg.write_text("\n".join(parts))
+        return cfg
+
+    return make
+
+
+def eagle3(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the eagle3 CLI in a subprocess, as a user would."""
+    full_env = {k: v for k, v in os.environ.items() if k != "EAGLE3_CONFIG"}
+    full_env.update(env or {})
+    return subprocess.run([PY, "-m", "bot.cli", *args], cwd=cwd or ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(predicate, *, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+    """Poll until `predicate()` is truthy; fail the test with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,228 @@
+"""Real subprocesses: start, exit codes, re-adoption, stop escalation, rotation, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from pipeline.config import load_workspace
+from pipeline.controller import Controller
+from tests.conftest import eagle3, fixture_argv, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def status(cfg):
+    result = eagle3("status", "--json", "--config", str(cfg))
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def stage_state(cfg, stage):
+    return status(cfg)["stages"][stage]
+
+
+def group_alive(pgid: int) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.info["pid"]) == pgid:
+                found.append(p.info["pid"])
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def cleanup():
+    """Kill any process group a test leaves behind, even when it fails."""
+    pgids: list[int] = []
+    yield pgids
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def test_exit_code_is_recorded(make_workspace):
+    cfg = make_workspace({"extract": fixture_argv("exit3.py")})
+    started = eagle3("start", "extract", "--config", str(cfg))
+    assert started.returncode == 0, started.stderr
+    st = wait_for(lambda: (s := stage_state(cfg, "extract"))["state"] == "exited" and s, what="extract to exit")
+    assert st["exit_code"] == 3 and st["ended_at"] >= st["started_at"]
+    logs = eagle3("logs", "extract", "--config", str(cfg))
+    assert "about to exit 3" in logs.stdout
+
+
+def test_status_shape_contract(make_workspace):
+    cfg = make_workspace({})
+    st = status(cfg)
+    assert st["run"] is None
+    assert set(st["stages"]) == {"server", "extract", "train"}
+    for stage in st["stages"].values():
+        assert stage["state"] == "not-started"
+        assert {"state", "pid", "exit_code", "started_at", "ended_at", "log"} <= set(stage)
+
+
+def test_service_killed_stage_survives_and_is_readopted(make_workspace, cleanup):
+    cfg = make_workspace({"train": fixture_argv("sleeper.py")})
+    # A stand-in for `eagle3 serve`: a long-lived process holding the controller.
+    service = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom pipeline.controller import Controller\n"
+        f"c = Controller.open({str(cfg)!r})\nprint(c.start('train')['pid'], flush=True)\ntime.sleep(600)")],
+        stdout=subprocess.PIPE, text=True)
+    pid = int(service.stdout.readline())
+    cleanup.append(pid)
+    service.kill()  # kill -9 of the service
+    service.wait()
+    assert psutil.pid_exists(pid)
+    st = stage_state(cfg, "train")
+    assert (st["state"], st["pid"]) == ("running", pid)
+    ctl = Controller(workspace=load_workspace(cfg))
+    assert ctl.supervisor.is_running("train")
+    result = ctl.stop("train", grace_s=5)
+    ctl.close()
+    assert not result.escalated and not result.survivors
+    assert stage_state(cfg, "train")["state"] == "stopped"
+
+
+def test_runner_killed_stage_keeps_running_then_unknown_when_it_ends(make_workspace, cleanup):
+    cfg = make_workspace({"train": fixture_argv("sleeper.py")})
+    assert eagle3("start", "train", "--config", str(cfg)).returncode == 0
+    ctl = Controller(workspace=load_workspace(cfg))
+    proc = ctl.store.latest_proc("train")
+    cleanup.append(proc["pgid"])
+    os.kill(proc["runner_pid"], signal.SIGKILL)
+    wait_for(lambda: not psutil.pid_exists(proc["runner_pid"]) or
+             psutil.Process(proc["runner_pid"]).status() == psutil.STATUS_ZOMBIE, what="runner to die")
+    assert stage_state(cfg, "train")["state"] == "running"  # verified by (pid, create_time)
+    os.kill(proc["pid"], signal.SIGKILL)
+    st = wait_for(lambda: (s := stage_state(cfg, "train"))["state"] != "running" and s, what="status to notice")
+    assert st["state"] == "unknown" and "exit status unknown" in st["reason"]
+    ctl.close()
+
+
+def test_reused_pid_is_not_mistaken_for_the_stage(make_workspace, cleanup):
+    cfg = make_workspace({"train": fixture_argv("sleeper.py")})
+    ctl = Controller(workspace=load_workspace(cfg))
+    ctl.start("train")
+    proc = ctl.store.latest_proc("train")
+    cleanup.append(proc["pgid"])
+    time.sleep(0.05)  # at least a few clock ticks, as any real reuse is
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    cleanup.append(stranger.pid)
+    # Rewrite history: the row now claims the stranger's pid with the stage's create_time,
+    # exactly what a reused pid looks like after a reboot or a long outage.
+    os.killpg(proc["pgid"], signal.SIGKILL)
+    wait_for(lambda: ctl.store.proc(proc["id"])["state"] != "running", what="runner to record the kill")
+    new_id = ctl.store.insert_proc({**{k: proc[k] for k in ("run_id", "stage", "argv", "log", "started_at", "create_time")},
+                                    "state": "running", "pid": stranger.pid, "pgid": stranger.pid, "stop_requested": 0})
+    st = stage_state(cfg, "train")
+    assert st["state"] == "unknown"
+    result = ctl.stop("train", grace_s=1)
+    assert "belongs to another process" in result.note
+    assert stranger.poll() is None, "a process we could not verify was killed"
+    assert ctl.store.proc(new_id)["state"] == "stopped"
+    ctl.close()
+    stranger.kill()
+    stranger.wait()
+
+
+def test_stop_escalates_and_reaches_grandchildren(make_workspace, cleanup):
+    cfg = make_workspace({"server": fixture_argv("fork_grandchild.py"), "train": fixture_argv("ignore_term.py")})
+    for stage in ("server", "train"):
+        assert eagle3("start", stage, "--config", str(cfg)).returncode == 0
+    ctl = Controller(workspace=load_workspace(cfg))
+    pgids = {s: ctl.store.latest_proc(s)["pgid"] for s in ("server", "train")}
+    cleanup.extend(pgids.values())
+    wait_for(lambda: len(group_alive(pgids["server"])) == 2, what="grandchild to fork")
+    ctl.close()
+    t0 = time.monotonic()
+    out = eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "server: stopped (SIGKILL needed" in out.stdout
+    assert "train: stopped (SIGKILL needed" in out.stdout
+    assert time.monotonic() - t0 < 30
+    for pgid in pgids.values():
+        assert group_alive(pgid) == []
+    st = status(cfg)
+    assert st["run"] is None
+    # The server's leader obeys SIGTERM; its grandchild is what needed SIGKILL.
+    assert (st["stages"]["server"]["state"], st["stages"]["server"]["signal"]) == ("stopped", signal.SIGTERM)
+    assert (st["stages"]["train"]["state"], st["stages"]["train"]["signal"]) == ("stopped", signal.SIGKILL)
+
+
+def test_log_rotation_through_runner(make_workspace):
+    cfg = make_workspace({"extract": fixture_argv("spew.py", "5000")},
+                         extra="[state]\nlog_max_bytes = 50000\nlog_keep = 2\n")
+    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+    wait_for(lambda: stage_state(cfg, "extract")["state"] == "exited", what="spew to finish")
+    logs = sorted(p.name for p in (cfg.parent / ".eagle3" / "logs").iterdir())
+    assert logs == ["extract.log", "extract.log.1", "extract.log.2"]
+    tail = eagle3("logs", "extract", "-n", "1", "--config", str(cfg)).stdout
+    assert "spew line 004999" in tail
+
+
+def test_missing_program_is_reported(make_workspace):
+    cfg = make_workspace({"extract": ["/nonexistent/program"]})
+    out = eagle3("start", "extract", "--config", str(cfg))
+    assert out.returncode == 2
+    assert "extract did not start: cannot start" in out.stderr
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_config_flag_before_or_after_subcommand(make_workspace, where):
+    cfg = make_workspace({})
+    args = ["--config", str(cfg), "status"] if where == "before" else ["status", "--config", str(cfg)]
+    out = eagle3(*args)
+    assert out.returncode == 0 and "run: none open" in out.stdout
+
+
+def test_env_config_lookup(make_workspace):
+    cfg = make_workspace({})
+    out = eagle3("status", env={"EAGLE3_CONFIG": str(cfg)})
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[stages.train]\ngpus = "0-3"\n',
+     'eagle3: eagle3.toml: stages.train.gpus: expected a list of GPU indices such as [0, 1, 2, 3], got "0-3"\n'),
+    ("[stages\n", "eagle3: eagle3.toml: not valid TOML"),
+])
+def test_bad_config_exits_2_with_one_line(tmp_path, text, message):
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(text)
+    for args in (["status"], ["check-config", str(cfg)], ["start", "train"]):
+        out = eagle3(*args, "--config", str(cfg))
+        assert out.returncode == 2
+        assert out.stderr.startswith(message) and out.stderr.count("\n") == 1
+        assert out.stdout == ""
+    assert not (tmp_path / ".eagle3").exists(), "a failed command must leave no state behind"
+
+
+def test_init_never_overwrites_and_template_works_unedited(tmp_path):
+    assert eagle3("init", str(tmp_path)).returncode == 0
+    cfg = tmp_path / "eagle3.toml"
+    before = cfg.read_text()
+    again = eagle3("init", str(tmp_path))
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert cfg.read_text() == before
+    assert eagle3("check-config", str(cfg)).returncode == 0
+    assert eagle3("status", "--config", str(cfg)).returncode == 0
+    refused = eagle3("start", "server", "--config", str(cfg))
+    assert refused.returncode == 2
+    assert "stages.server.argv still holds the placeholder <SGLANG_VENV>" in refused.stderr
+
+
+def test_help_lists_commands():
+    out = eagle3("--help")
+    for name in ("init", "start", "stop", "status", "logs", "check-config", "run-stage"):
+        assert name in out.stdout

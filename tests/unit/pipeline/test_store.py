@@ -1,0 +1,67 @@
+"""The state store: migrations, WAL, corrupt files, runs."""
+
+import sqlite3
+
+import pytest
+from sqlite_utils import Database
+
+from pipeline.errors import StoreError
+from pipeline.store import Store, migrations
+
+
+def test_new_store_is_wal_with_all_migrations(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert [m.name for m in migrations.applied(store.db)] == [m.name for m in migrations._migrations]
+    assert {"runs", "stage_procs", "observations", "events", "audit", "kv"} <= set(store.db.table_names())
+
+
+def test_older_schema_migrates_in_place(tmp_path):
+    path = tmp_path / "s.sqlite"
+    db = Database(path)
+    migrations.apply(db, stop_before="m002_observations")
+    db["runs"].insert({"id": "r-old", "opened_at": 1.0})
+    db.conn.close()
+    store = Store(path)
+    assert "observations" in store.db.table_names()
+    assert store.current_run() == "r-old"
+
+
+@pytest.mark.parametrize("content", [b"this is not sqlite" * 100, b"SQLite format 3\x00" + b"\xff" * 4000])
+def test_corrupt_file_is_a_clear_error_and_kept(tmp_path, content):
+    path = tmp_path / "s.sqlite"
+    path.write_bytes(content)
+    with pytest.raises(StoreError, match="not a usable eagle3 store") as err:
+        Store(path)
+    assert "\n" not in str(err.value)
+    assert path.read_bytes() == content
+
+
+def test_foreign_sqlite_file_is_refused(tmp_path):
+    path = tmp_path / "s.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE other (x)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="no eagle3 schema"):
+        Store(path)
+
+
+def test_runs_open_once_and_close(tmp_path):
+    store = Store(tmp_path / "s.sqlite", clock=lambda: 1_790_000_000.0)
+    run = store.open_run()
+    assert store.open_run() == run
+    store.close_run(run, reason="done")
+    assert store.current_run() is None
+    second = store.open_run()
+    assert second != run
+    kinds = [e["kind"] for e in store.events()]
+    assert kinds == ["run-opened", "run-closed", "run-opened"]
+
+
+def test_atomic_rolls_back(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    with pytest.raises(RuntimeError), store.atomic():
+        store.put("k", 1)
+        raise RuntimeError
+    assert store.get("k") is None

@@ -1,0 +1,141 @@
+"""The supervisor's state machine against a fake host (no real processes)."""
+
+import json
+
+import pytest
+
+from pipeline.config import Workspace, parse_config
+from pipeline.errors import StageError
+from pipeline.host import SIGKILL, SIGTERM, Member
+from pipeline.store import Store
+from pipeline.supervisor import Supervisor, record_exit
+
+
+class FakeHost:
+    """Scripted processes: pid -> (create_time, alive); members per pgid."""
+
+    def __init__(self):
+        self.now = 1000.0
+        self.procs = {}  # pid -> create_time of the live process holding that pid
+        self.groups = {}  # pgid -> list of member pids
+        self.ignores_term = set()
+        self.signals = []
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+    def identity(self, pid, create_time):
+        if pid not in self.procs or create_time is None:
+            return "gone"
+        return "alive" if abs(self.procs[pid] - create_time) < 0.05 else "reused"
+
+    def create_time(self, pid):
+        return self.procs.get(pid)
+
+    def members(self, pgid, since):
+        return [Member(p, "fake", self.procs[p]) for p in self.groups.get(pgid, []) if p in self.procs]
+
+    def kill(self, pid, sig, *, group):
+        self.signals.append((pid, sig, group))
+        targets = self.groups.get(pid, []) if group else [pid]
+        for p in list(targets):
+            if sig == SIGKILL or p not in self.ignores_term:
+                self.procs.pop(p, None)
+
+    def spawn_detached(self, argv, cwd=None):
+        raise AssertionError("not used here")
+
+
+@pytest.fixture
+def setup(tmp_path):
+    ws = Workspace(config=parse_config('[stages.train]\nargv = ["x"]\n', name="eagle3.toml"), path=tmp_path / "eagle3.toml")
+    host = FakeHost()
+    store = Store(tmp_path / "s.sqlite", clock=host.clock)
+    return ws, host, store, Supervisor(workspace=ws, store=store, host=host)
+
+
+def add_running(store, host, *, stage="train", pid=500, runner_pid=None):
+    host.procs[pid] = 990.0
+    host.groups[pid] = [pid]
+    run = store.open_run()
+    return store.insert_proc({"run_id": run, "stage": stage, "state": "running", "pid": pid, "pgid": pid,
+                              "create_time": 990.0, "runner_pid": runner_pid, "runner_create_time": None,
+                              "argv": json.dumps(["x"]), "started_at": 990.0, "stop_requested": 0})
+
+
+def test_readopts_verified_stage(setup):
+    ws, host, store, sup = setup
+    add_running(store, host)
+    sup.refresh()
+    assert store.latest_proc("train")["state"] == "running"
+
+
+def test_reused_pid_is_not_the_stage_and_is_never_signalled(setup):
+    ws, host, store, sup = setup
+    add_running(store, host)
+    host.procs[500] = 1500.0  # the pid now belongs to a newer process
+    sup.refresh()
+    proc = store.latest_proc("train")
+    assert proc["state"] == "unknown"
+    assert "exit status unknown" in proc["reason"]
+    result = sup.stop("train", grace_s=1)
+    assert host.signals == []
+    assert "belongs to another process" in result.note
+    assert 500 in host.procs
+
+
+def test_stop_escalates_to_sigkill_and_records_stopped(setup):
+    ws, host, store, sup = setup
+    add_running(store, host)
+    host.ignores_term.add(500)
+    result = sup.stop("train", grace_s=2)
+    assert result.escalated and not result.survivors
+    assert [s[1] for s in host.signals if s[2]] == [SIGTERM, SIGKILL]
+    proc = store.latest_proc("train")
+    assert proc["state"] == "stopped" and proc["stop_requested"] == 1
+
+
+def test_stop_without_escalation(setup):
+    ws, host, store, sup = setup
+    add_running(store, host)
+    result = sup.stop("train", grace_s=2)
+    assert not result.escalated
+    assert all(s[1] == SIGTERM for s in host.signals)
+
+
+def test_exit_after_requested_stop_is_stopped_and_closes_run_for_train(setup):
+    ws, host, store, sup = setup
+    proc_id = add_running(store, host)
+    store.update_proc(proc_id, stop_requested=1)
+    record_exit(store, proc_id, returncode=137, now=host.now)
+    proc = store.proc(proc_id)
+    assert (proc["state"], proc["exit_code"]) == ("stopped", 137)
+    assert store.current_run() is None
+
+
+def test_exit_code_and_signal_recorded(setup):
+    ws, host, store, sup = setup
+    proc_id = add_running(store, host, stage="extract")
+    record_exit(store, proc_id, returncode=-9, now=host.now)
+    proc = store.proc(proc_id)
+    assert (proc["state"], proc["exit_code"], proc["signal"]) == ("exited", None, 9)
+    assert store.current_run() is not None  # only training's end closes the run
+
+
+def test_second_start_is_refused_while_running(setup):
+    ws, host, store, sup = setup
+    add_running(store, host)
+    with pytest.raises(StageError, match="already running"):
+        sup.start("train")
+
+
+def test_illegal_transition_asserts(setup):
+    from pipeline.states import StageState, transition
+    ws, host, store, sup = setup
+    proc_id = add_running(store, host)
+    record_exit(store, proc_id, returncode=0, now=host.now)
+    with pytest.raises(AssertionError, match="exited -> running"):
+        transition(store, store.proc(proc_id), StageState.RUNNING)
