@@ -1,0 +1,394 @@
+"""Diagnosis: a verdict from a stage's observation history, and nothing else.
+
+`Diagnoser.feed` folds one observation at a time (so a 10-hour trace replays in
+linear time); `diagnose(history)` is the same fold over a list. Evidence rules:
+- progress comes only from the stage's own authority (manifest, step log, regex,
+  file count); server counters are never progress;
+- GPU idleness alone is never evidence of a stall: in the incident the GPUs sat
+  idle between requests while extraction was healthy;
+- a stall needs no progress past a deadline learned from the stage's own gaps
+  AND no sign of work (bytes written, CPU, GPUs busy at power, a server request
+  in flight) — a giant prompt or a checkpoint save shows such signs.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass, field
+
+from pipeline.eta import CostModel, EtaEstimator
+
+VERDICTS = ("starting", "progressing", "slow", "stalled", "stopped", "dead", "done", "unknown")
+STUCK_VERDICTS = frozenset({"stalled", "dead"})
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Thresholds; the defaults are the documented behaviour."""
+
+    stall_floor_s: float = 120.0  # never call a stall sooner than this
+    gap_multiplier: float = 3.0  # deadline = max(floor, multiplier × p99 of the stage's own gaps)
+    ceiling_s: float = 1800.0  # signs of work hold a stall off at most this long
+    startup_window_s: float = 600.0  # time allowed before the first progress
+    max_failed_share: float = 0.001
+    slow_ratio: float = 2.5  # recent work took this many times longer than the baseline predicts
+    slow_window_s: float = 600.0
+    baseline_window_s: float = 3600.0
+    activity_window_s: float = 60.0
+    cpu_busy_share: float = 0.25  # of one core
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The diagnosis of one stage at time t."""
+
+    t: float
+    stage: str
+    verdict: str
+    reasons: tuple[str, ...] = ()
+    progress_pct: float | None = None
+    eta_s: float | None = None
+    eta_low_s: float | None = None
+    eta_high_s: float | None = None
+    done: int | None = None
+    failed: int | None = None
+    total: int | None = None
+    rate_samples_per_s: float | None = None
+    rate_tokens_per_s: float | None = None
+    last_progress_at: float | None = None
+    deadline_s: float | None = None
+
+    @property
+    def stuck(self) -> bool:
+        """True for stalled and dead only."""
+        return self.verdict in STUCK_VERDICTS
+
+    def replay_json(self) -> dict:
+        """The object `eagle3 diagnose --replay --json` prints."""
+        r = lambda v, nd=1: None if v is None else round(v, nd)  # noqa: E731
+        return {"t": self.t, "stage": self.stage, "verdict": self.verdict, "stuck": self.stuck,
+                "progress_pct": r(self.progress_pct, 2), "eta_s": r(self.eta_s), "eta_low_s": r(self.eta_low_s),
+                "eta_high_s": r(self.eta_high_s), "reasons": list(self.reasons)}
+
+
+def _num(d: dict | None, key: str) -> float | None:
+    if not isinstance(d, dict):
+        return None
+    v = d.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def fmt_s(seconds: float) -> str:
+    """Seconds as '3m12s' or '2h05m' for reasons."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+@dataclass
+class _Point:
+    t: float
+    processed: float | None
+    tokens: float | None
+    cpu_s: float | None
+    written: float | None  # bytes: files incl. temp, else process write bytes
+
+
+@dataclass
+class Diagnoser:
+    """Folds observations of one stage into verdicts."""
+
+    stage: str
+    policy: Policy = field(default_factory=Policy)
+
+    def __post_init__(self) -> None:
+        self.first_t: float | None = None
+        self.last_processed: float | None = None
+        self.last_tokens: float | None = None
+        self.last_progress_at: float | None = None
+        self.gaps: list[float] = []  # sorted, bounded
+        self._gap_order: deque[float] = deque()
+        self.eta = EtaEstimator()
+        self.points: deque[_Point] = deque()
+        self.intervals: deque[tuple[float, float, float, float | None]] = deque()  # (t, dt, dn, dk)
+        self.healthy_since: float | None = None
+        self.unhealthy_since: float | None = None
+        self.ever_healthy = False
+        self._baseline: tuple[float, CostModel | None] = (float("-inf"), None)
+        self.slow = False
+
+    # --- bookkeeping ----------------------------------------------------------
+    def _note_gap(self, gap: float) -> None:
+        insort(self.gaps, gap)
+        self._gap_order.append(gap)
+        if len(self._gap_order) > 500:
+            self.gaps.remove(self._gap_order.popleft())
+
+    def deadline(self) -> float:
+        """No-progress time after which a stall may be called."""
+        if not self.gaps:
+            return self.policy.stall_floor_s
+        p99 = self.gaps[min(len(self.gaps) - 1, int(0.99 * len(self.gaps)))]
+        return max(self.policy.stall_floor_s, self.policy.gap_multiplier * p99)
+
+    def _track_progress(self, t: float, prog: dict | None) -> None:
+        done, failed = _num(prog, "done"), _num(prog, "failed") or 0.0
+        if done is None:
+            return
+        processed, tokens = done + failed, _num(prog, "tokens_done")
+        if self.last_processed is None:
+            self.last_processed, self.last_tokens = processed, tokens
+            if processed > 0:
+                self.last_progress_at = t
+            return
+        if processed > self.last_processed:
+            since = self.last_progress_at if self.last_progress_at is not None else self.first_t
+            dn = processed - self.last_processed
+            dk = tokens - self.last_tokens if tokens is not None and self.last_tokens is not None else None
+            if since is not None and t > since:
+                self._note_gap(t - since)
+                self.eta.add(t=t, dt=t - since, samples=dn, tokens=dk)
+                self.intervals.append((t, t - since, dn, dk))
+            self.last_processed, self.last_tokens, self.last_progress_at = processed, tokens, t
+        horizon = t - self.policy.baseline_window_s - self.policy.slow_window_s
+        while self.intervals and self.intervals[0][0] < horizon:
+            self.intervals.popleft()
+
+    def _track_server(self, t: float, server: dict | None) -> None:
+        healthy = server.get("healthy") if isinstance(server, dict) else None
+        if healthy is True:
+            self.ever_healthy = True
+            self.unhealthy_since = None
+            self.healthy_since = self.healthy_since or t
+        elif healthy is False:
+            self.healthy_since = None
+            self.unhealthy_since = self.unhealthy_since or t
+
+    # --- evidence ------------------------------------------------------------
+    def _window(self, seconds: float, t: float) -> tuple[_Point, _Point] | None:
+        if len(self.points) < 2:
+            return None
+        last = self.points[-1]
+        first = next((p for p in self.points if p.t >= t - seconds), self.points[0])
+        if first is last:
+            first = self.points[-2]
+        return first, last
+
+    def _activity(self, obs: dict, t: float) -> list[str]:
+        """Signs that the stage is working although no progress was counted."""
+        signs = []
+        win = self._window(self.policy.activity_window_s, t)
+        if win:
+            a, b = win
+            if a.written is not None and b.written is not None and b.written > a.written:
+                signs.append(f"{(b.written - a.written) / 1e6:.1f} MB written in the last {fmt_s(b.t - a.t)}")
+            if a.cpu_s is not None and b.cpu_s is not None and b.t > a.t:
+                share = (b.cpu_s - a.cpu_s) / (b.t - a.t)
+                if share >= self.policy.cpu_busy_share:
+                    signs.append(f"CPU busy ({share * 100:.0f} % of a core)")
+        busy = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and _gpu_busy_at_power(g)]
+        if busy:
+            signs.append(f"GPUs {_indices(busy)} busy at {max(_num(g, 'power_w') or 0 for g in busy):.0f} W")
+        server = obs.get("server") or {}
+        if server.get("healthy") is True and (_num(server, "running_reqs") or 0) > 0:
+            signs.append(f"server healthy with {int(_num(server, 'running_reqs'))} request(s) running")
+        return signs
+
+    def _stall_evidence(self, obs: dict, t: float) -> list[str]:
+        ev = []
+        since = self.last_progress_at or self.first_t
+        a = next((p for p in self.points if p.t >= since), None)
+        b = self.points[-1] if self.points else None
+        if a and b and b.t > a.t:
+            if a.cpu_s is not None and b.cpu_s is not None:
+                ev.append(f"CPU time flat ({b.cpu_s - a.cpu_s:.1f} s in {fmt_s(b.t - a.t)})")
+            if a.written is not None and b.written is not None and b.written <= a.written:
+                ev.append(f"nothing written for {fmt_s(b.t - a.t)}")
+        if self.unhealthy_since is not None:
+            ev.append(f"server health failing for {fmt_s(t - self.unhealthy_since)}")
+        hung = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and _gpu_pinned_low_power(g)]
+        if hung:
+            ev.append(f"GPUs {_indices(hung)} pinned at 100 % at low power: a collective hang?")
+        if (obs.get("process") or {}).get("zombie"):
+            ev.append("the process is a zombie")
+        return ev
+
+    # --- the fold ------------------------------------------------------------
+    def feed(self, obs: dict) -> Verdict:
+        """Consume one observation of this stage; return the verdict at its time."""
+        t = float(obs["t"])
+        self.first_t = t if self.first_t is None else self.first_t
+        proc, prog = obs.get("process") or {}, obs.get("progress")
+        files = obs.get("files") or {}
+        written = _num(files, "bytes")
+        if written is None:
+            written = _num(proc, "io_write_bytes")
+        self.points.append(_Point(t, None, None, _num(proc, "cpu_s"), written))
+        while self.points and self.points[0].t < t - max(self.policy.slow_window_s, self.policy.activity_window_s) - 60:
+            self.points.popleft()
+        self._track_progress(t, prog)
+        self._track_server(t, obs.get("server"))
+        return self._judge(obs, t, proc, prog if isinstance(prog, dict) else {})
+
+    def _base(self, t: float, prog: dict, **kw) -> Verdict:
+        done, failed, total = _num(prog, "done"), _num(prog, "failed") or 0.0, _num(prog, "total")
+        pct = 100.0 * (done + failed) / total if done is not None and total else None
+        rs, rt = self._rates(t)
+        return Verdict(t=t, stage=self.stage, progress_pct=pct, done=None if done is None else int(done),
+                       failed=int(failed), total=None if total is None else int(total), rate_samples_per_s=rs,
+                       rate_tokens_per_s=rt, last_progress_at=self.last_progress_at, deadline_s=self.deadline(), **kw)
+
+    def _rates(self, t: float) -> tuple[float | None, float | None]:
+        recent = [iv for iv in self.intervals if iv[0] >= t - self.policy.slow_window_s]
+        span = sum(iv[1] for iv in recent)
+        if not recent or span <= 0:
+            return None, None
+        toks = [iv[3] for iv in recent]
+        return sum(iv[2] for iv in recent) / span, (sum(toks) / span if None not in toks else None)
+
+    def _judge(self, obs: dict, t: float, proc: dict, prog: dict) -> Verdict:
+        ended = proc.get("alive") is False or proc.get("exit_code") is not None
+        if ended:
+            return self._ended(t, proc, prog)
+        if proc.get("alive") is None and not prog and not obs.get("server"):
+            why = (obs.get("unknown") or {}).get("process", "no process reading")
+            return self._base(t, prog, verdict="unknown", reasons=(f"process state unknown: {why}",))
+        if _num(prog, "done") is None:
+            return self._judge_without_progress(obs, t, prog)
+        return self._judge_progress(obs, t, prog)
+
+    def _ended(self, t: float, proc: dict, prog: dict) -> Verdict:
+        code = proc.get("exit_code")
+        if proc.get("stop_requested"):
+            how = "" if code is None else (f" (signal {-code})" if code < 0 else f" (exit {code})")
+            return self._base(t, prog, verdict="stopped", reasons=(f"stopped on request{how}",))
+        if code is None:
+            return self._base(t, prog, verdict="dead", reasons=("the process vanished; exit status unknown",))
+        if code != 0:
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return self._base(t, prog, verdict="dead", reasons=(how,))
+        done, failed, total = _num(prog, "done"), _num(prog, "failed") or 0.0, _num(prog, "total")
+        if done is None or not total:
+            return self._base(t, prog, verdict="done", reasons=("exited 0",), eta_s=0.0)
+        if done + failed < total:
+            pct = 100.0 * (done + failed) / total
+            return self._base(t, prog, verdict="dead",
+                              reasons=(f"exited early at {pct:.1f} % ({int(done + failed):,} / {int(total):,})",))
+        share = failed / total
+        if share > self.policy.max_failed_share:
+            return self._base(t, prog, verdict="dead", reasons=(
+                f"{share * 100:.2g} % of samples failed, above the {self.policy.max_failed_share * 100:.2g} % maximum",))
+        return self._base(t, prog, verdict="done", reasons=(f"exited 0 with {int(done):,} / {int(total):,} done",),
+                          eta_s=0.0, eta_low_s=0.0, eta_high_s=0.0)
+
+    def _judge_without_progress(self, obs: dict, t: float, prog: dict) -> Verdict:
+        server = obs.get("server")
+        if isinstance(server, dict) and server.get("healthy") is not None:
+            if server["healthy"]:
+                return self._base(t, prog, verdict="progressing", reasons=("serving; health check passing",))
+            down = t - (self.unhealthy_since or t)
+            if not self.ever_healthy and t - self.first_t < self.policy.startup_window_s:
+                return self._base(t, prog, verdict="starting", reasons=("waiting for the health check to pass",))
+            if down >= self.policy.stall_floor_s:
+                return self._base(t, prog, verdict="stalled", reasons=(f"health check failing for {fmt_s(down)}",))
+            return self._base(t, prog, verdict="slow", reasons=(f"health check failing for {fmt_s(down)}",))
+        if t - self.first_t < self.policy.startup_window_s:
+            return self._base(t, prog, verdict="starting", reasons=("no progress reading yet",))
+        return self._judge_stall(obs, t, prog, since=self.first_t, what="no progress reading yet")
+
+    def _judge_progress(self, obs: dict, t: float, prog: dict) -> Verdict:
+        if self.last_progress_at is None and t - self.first_t < self.policy.startup_window_s:
+            return self._base(t, prog, verdict="starting", reasons=("no sample finished yet",))
+        since = self.last_progress_at if self.last_progress_at is not None else self.first_t
+        gap = t - since
+        if gap > self.deadline():
+            return self._judge_stall(obs, t, prog, since=since, what=f"no progress for {fmt_s(gap)}")
+        eta = self._eta(prog)
+        slow = self._slow_reason(t)
+        return self._base(t, prog, verdict="slow" if slow else "progressing",
+                          reasons=tuple(r for r in (slow, f"last progress {fmt_s(gap)} ago") if r), **eta)
+
+    def _judge_stall(self, obs: dict, t: float, prog: dict, *, since: float, what: str) -> Verdict:
+        gap = t - since
+        deadline = f"deadline {fmt_s(self.deadline())} learned from this stage's gaps"
+        activity = self._activity(obs, t)
+        if activity and gap < self.policy.ceiling_s:
+            return self._base(t, prog, verdict="progressing",
+                              reasons=(f"{what}, but it is working: " + "; ".join(activity),), **self._eta(prog))
+        evidence = self._stall_evidence(obs, t) or ["no sign of work (CPU, disk, GPU and server readings unknown)"]
+        if activity:
+            evidence.append(f"still busy after {fmt_s(gap)}, past the {fmt_s(self.policy.ceiling_s)} ceiling")
+        return self._base(t, prog, verdict="stalled", reasons=(f"{what} ({deadline})", *evidence))
+
+    def _eta(self, prog: dict) -> dict:
+        done, failed, total = _num(prog, "done"), _num(prog, "failed") or 0.0, _num(prog, "total")
+        if done is None or not total:
+            return {}
+        tok_total, tok_done = _num(prog, "tokens_total"), _num(prog, "tokens_done")
+        tokens_left = tok_total - tok_done if tok_total is not None and tok_done is not None else None
+        est = self.eta.estimate(samples_left=total - done - failed, tokens_left=tokens_left)
+        return {} if est is None else {"eta_s": est.eta_s, "eta_low_s": est.low_s, "eta_high_s": est.high_s}
+
+    def _slow_reason(self, t: float) -> str | None:
+        p = self.policy
+        if self.first_t is None or t - self.first_t < p.slow_window_s + p.baseline_window_s / 3:
+            return None
+        cached_at, model = self._baseline
+        if t - cached_at >= 60:
+            model = CostModel(half_life_s=1e12)
+            for end, dt, dn, dk in self.intervals:
+                if end < t - p.slow_window_s:
+                    model.add(t=end, dt=dt, samples=dn, tokens=dk)
+            self._baseline = (t, model if model.sums.count >= 10 else None)
+            model = self._baseline[1]
+        if model is None:
+            return None
+        recent = [iv for iv in self.intervals if iv[0] >= t - p.slow_window_s]
+        if len(recent) < 3:
+            return None
+        toks = [iv[3] for iv in recent]
+        predicted = model.predict(samples=sum(iv[2] for iv in recent), tokens=None if None in toks else sum(toks))
+        actual = sum(iv[1] for iv in recent)
+        if not predicted:
+            return None
+        ratio = actual / predicted
+        # Hysteresis: enter above slow_ratio, leave only once clearly back to normal,
+        # so a run hovering at the threshold does not flap between verdicts.
+        self.slow = ratio > (p.slow_ratio / 1.5 if self.slow else p.slow_ratio)
+        if self.slow:
+            return f"recent work took {ratio:.1f}× as long as this stage's own earlier rate predicts"
+        return None
+
+
+def _gpu_busy_at_power(g: dict) -> bool:
+    util, power, limit = _num(g, "util"), _num(g, "power_w"), _num(g, "power_limit_w")
+    if util is None or power is None:
+        return False
+    return util >= 50 and power >= (0.5 * limit if limit else 150.0)
+
+
+def _gpu_pinned_low_power(g: dict) -> bool:
+    # Ranks deadlocked in a collective spin at ~100 % "utilization" while drawing little power.
+    util, power, limit = _num(g, "util"), _num(g, "power_w"), _num(g, "power_limit_w")
+    if util is None or power is None:
+        return False
+    return util >= 95 and power < (0.3 * limit if limit else 120.0)
+
+
+def _indices(gpus: list[dict]) -> str:
+    return ",".join(str(g.get("index", "?")) for g in gpus)
+
+
+def diagnose(history: list[dict], *, stage: str | None = None, policy: Policy | None = None) -> Verdict | None:
+    """The verdict after the last observation of `history` (one stage), or None if empty."""
+    if not history:
+        return None
+    d = Diagnoser(stage=stage or history[0].get("stage", "?"), policy=policy or Policy())
+    verdict = None
+    for obs in history:
+        verdict = d.feed(obs)
+    return verdict

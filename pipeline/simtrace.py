@@ -1,0 +1,155 @@
+"""Simulated observation traces with known ground truth, for tests and benchmarks.
+
+A trace is an extraction (or training) run seen at 10 s ticks: per-sample cost
+a + b·tokens with noise, optional faults. The GPUs sit idle between requests, as in
+the incident: a healthy run must not look stuck because of that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+HIDDEN = 7168
+LAYERS = 4
+
+
+@dataclass
+class Scenario:
+    """What to simulate; times are seconds from the start of the run."""
+
+    name: str
+    samples: int = 3000
+    seed: int = 0
+    sort_by_length: bool = False
+    overhead_s: float = 0.3  # per request
+    per_token_s: float = 2.8e-4
+    # Attention makes long prompts cost more than linearly; the ETA model is linear,
+    # so this keeps the benchmark from grading the estimator on its own assumption.
+    per_token2_s: float = 1.4e-8
+    noise: float = 0.15  # lognormal sigma
+    tick_s: float = 10.0
+    stage: str = "extract"
+    giant_every: int = 0  # every Nth sample is a giant prompt
+    giant_s: float = 300.0
+    checkpoint_every: int = 0  # training: a checkpoint pause every N steps
+    checkpoint_s: float = 300.0
+    slow_from_s: float | None = None
+    slow_factor: float = 5.0
+    stall_at_s: float | None = None
+    stall_kind: str = "server-hang"  # or "client-deadlock"
+    crash_at_s: float | None = None
+    exit0_at_fraction: float | None = None
+    fail_share: float = 0.0
+    end_extra_ticks: int = 3
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Trace:
+    """Observations plus the ground truth needed to score a diagnosis."""
+
+    scenario: Scenario
+    observations: list[dict]
+    finish_s: float  # when the last sample finished (inf if never)
+    fault_at_s: float | None
+
+
+def _lengths(sc: Scenario, rng: random.Random) -> list[int]:
+    lengths = [max(16, int(rng.lognormvariate(math.log(1800), 0.7))) for _ in range(sc.samples)]
+    return sorted(lengths) if sc.sort_by_length else lengths
+
+
+def _durations(sc: Scenario, lengths: list[int], rng: random.Random) -> list[tuple[float, bool]]:
+    out, t = [], 0.0
+    for i, n in enumerate(lengths):
+        d = (sc.overhead_s + sc.per_token_s * n + sc.per_token2_s * n * n) * rng.lognormvariate(0, sc.noise)
+        giant = bool(sc.giant_every and i % sc.giant_every == sc.giant_every - 1)
+        pause = bool(sc.checkpoint_every and i % sc.checkpoint_every == sc.checkpoint_every - 1)
+        if giant:
+            d = sc.giant_s * rng.uniform(0.8, 1.2)
+        if pause:
+            d += sc.checkpoint_s
+        if sc.slow_from_s is not None and t >= sc.slow_from_s:
+            d *= sc.slow_factor
+        out.append((d, giant or pause))
+        t += d
+    return out
+
+
+def simulate(sc: Scenario) -> Trace:
+    """Run the scenario and return its observations at each tick."""
+    rng = random.Random(sc.seed)
+    lengths = _lengths(sc, rng)
+    durs = _durations(sc, lengths, rng)
+    ends = list(itertools.accumulate(d for d, _ in durs))
+    fault = sc.stall_at_s if sc.stall_at_s is not None else sc.crash_at_s
+    exit0_at = ends[int(sc.exit0_at_fraction * sc.samples) - 1] + 1 if sc.exit0_at_fraction else None
+    if fault is not None:
+        ends = [e if e <= fault else math.inf for e in ends]
+    finish = ends[-1]
+    stop_t = min(x for x in (finish, fault, exit0_at, math.inf) if x is not None)
+    horizon = (stop_t if math.isfinite(stop_t) else ends[-1]) + sc.end_extra_ticks * sc.tick_s
+    if fault is not None:
+        horizon = fault + 3600.0
+    obs, i_done, cpu, written, tok_done = [], 0, 0.0, 0.0, 0
+    tokens_total = sum(lengths)
+    t0 = 1_790_000_000.0
+    for k in itertools.count(1):
+        t = k * sc.tick_s
+        if t > horizon:
+            break
+        prev = i_done
+        while i_done < sc.samples and ends[i_done] <= t:
+            tok_done += lengths[i_done]
+            i_done += 1
+        requesting = i_done < sc.samples and ends[i_done] != math.inf
+        # A giant prompt, or any request over 30 s, keeps the GPUs busy while it runs.
+        in_flight = requesting and (durs[i_done][1] or durs[i_done][0] > 30)
+        stalled = fault is not None and t >= fault and sc.stall_at_s is not None
+        crashed = sc.crash_at_s is not None and t >= sc.crash_at_s
+        exited0 = exit0_at is not None and t >= exit0_at
+        finished = i_done >= sc.samples and not crashed
+        cpu += 0.04 * (i_done - prev) + (0.0 if stalled or in_flight else 0.01 * sc.tick_s)
+        new_bytes = sum(lengths[j] for j in range(prev, i_done)) * LAYERS * HIDDEN * 2
+        if in_flight and sc.stage == "train":
+            new_bytes += 2e8  # a checkpoint being written
+        written += new_bytes
+        failed = int(i_done * sc.fail_share)
+        o = {"t": t0 + t, "stage": sc.stage,
+             "process": {"alive": not (crashed or exited0 or finished), "cpu_s": round(cpu, 2),
+                         "exit_code": -9 if crashed else (0 if (exited0 or finished) else None)},
+             "progress": {"done": i_done - failed, "failed": failed, "total": sc.samples,
+                          "tokens_done": tok_done, "tokens_total": tokens_total, "unit": "samples"},
+             "files": {"count": i_done - failed, "bytes": written}}
+        if sc.stage == "extract":
+            hang = stalled and sc.stall_kind == "server-hang"
+            busy = in_flight and not stalled
+            util, power = (100.0, 95.0) if hang else ((100.0, 610.0) if busy else (0.0, 90.0))
+            o["gpus"] = [{"index": g, "util": util, "mem_used_mb": 75000, "power_w": power, "power_limit_w": 700.0}
+                         for g in range(8)]
+            o["server"] = {"healthy": not (hang and t >= fault + 20),
+                           "running_reqs": 1 if ((requesting and not stalled) or hang) else 0,
+                           "queue_reqs": 0, "requests_total": int(i_done * 1.2 + k)}
+        obs.append(o)
+        if o["process"]["alive"] is False:
+            break
+    return Trace(sc, obs, finish if math.isfinite(finish) else math.inf, fault)
+
+
+def standard_scenarios(samples: int = 3000) -> list[Scenario]:
+    """The benchmark's set: healthy variants and each fault."""
+    return [
+        Scenario("healthy-idle-gpus", samples=samples),
+        Scenario("sorted-lengths", samples=samples, sort_by_length=True, seed=1),
+        Scenario("giant-prompts", samples=samples, giant_every=400, giant_s=300, seed=2),
+        Scenario("checkpoint-pauses", samples=samples, stage="train", overhead_s=0.8, per_token_s=0.0,
+                 checkpoint_every=500, checkpoint_s=360, seed=3),
+        Scenario("slow-disk", samples=samples, slow_from_s=1500, seed=4),
+        Scenario("server-hang", samples=samples, stall_at_s=1200, seed=5),
+        Scenario("client-deadlock", samples=samples, stall_at_s=1200, stall_kind="client-deadlock", seed=6),
+        Scenario("client-crash", samples=samples, crash_at_s=1200, seed=7),
+        Scenario("exit0-early", samples=samples, exit0_at_fraction=0.9, seed=8),
+    ]
