@@ -36,6 +36,25 @@ class StageConfig(_Section):
     restart: Literal["never", "on-failure"] = Field(default="never", description="Restart policy when the stage dies.")
     max_restarts: int = Field(default=3, ge=0, description="Restarts allowed under on-failure.")
     restart_backoff_s: float = Field(default=10.0, ge=0, description="First restart delay; doubles each time.")
+    progress: Literal["auto", "manifest", "progress-jsonl", "log-regex", "files", "none"] = Field(
+        default="auto", description="Progress authority (auto: manifest for extract, progress.jsonl for train, none for server).")
+    progress_regex: str | None = Field(
+        default=None, description="With progress = log-regex: a regex with groups (?P<done>…) and optionally (?P<total>…).")
+    files_dir: str | None = Field(default=None, description="Output tree scanned for activity (default: extract out/hidden_states, train out).")
+    files_suffix: str = Field(default="", description="Only files with this suffix count as final files.")
+    files_total: int | None = Field(default=None, ge=1, description="With progress = files: the expected file count.")
+
+    @field_validator("progress_regex")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                compiled = re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression ({exc})") from None
+            if "done" not in compiled.groupindex:
+                raise ValueError("the regex needs a named group (?P<done>\\d+)")
+        return value
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -95,6 +114,8 @@ class MonitorConfig(_Section):
 
     tick_s: float = Field(default=10.0, gt=0, description="Seconds between observations.")
     stall_floor_s: float = Field(default=120.0, gt=0, description="Shortest no-progress time that can count as a stall.")
+    probe_budget_s: float = Field(default=5.0, gt=0, description="Time a tick's probes may take; slower readings are unknown.")
+    fake_gpus: int = Field(default=0, ge=0, description="Use this many scripted fake GPUs instead of NVML (tests, demo).")
 
 
 class HandoffConfig(_Section):

@@ -161,6 +161,33 @@ class Store:
         rows = list(self.db["stage_procs"].rows_where("stage = ?", [stage], order_by="id desc", limit=1))
         return rows[0] if rows else None
 
+    # --- observations ---------------------------------------------------------
+    def add_observation(self, obs: dict, *, run_id: str | None) -> None:
+        """Store one observation (the replay format)."""
+        self.db["observations"].insert({"t": obs["t"], "stage": obs["stage"], "run_id": run_id, "data": json.dumps(obs)})
+
+    def latest_observation(self, stage: str) -> dict | None:
+        """The newest observation of a stage."""
+        row = self.db.execute("SELECT data FROM observations WHERE stage = ? ORDER BY t DESC LIMIT 1", [stage]).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def observations(self, *, stage: str | None = None, since: float | None = None) -> Iterator[dict]:
+        """Observations in time order, optionally of one stage and since a time."""
+        where, args = ["1"], []
+        if stage:
+            where, args = where + ["stage = ?"], args + [stage]
+        if since is not None:
+            where, args = where + ["t >= ?"], args + [since]
+        for (data,) in self.db.execute(f"SELECT data FROM observations WHERE {' AND '.join(where)} ORDER BY t, id", args):
+            yield json.loads(data)
+
+    def thin_observations(self, *, now: float, keep_all_s: float = 86400.0, bucket_s: float = 60.0) -> int:
+        """Keep every observation of the last day; older ones one per stage per `bucket_s`."""
+        cur = self.db.execute(
+            "DELETE FROM observations WHERE t < ? AND id NOT IN (SELECT MIN(id) FROM observations WHERE t < ? "
+            "GROUP BY stage, CAST(t / ? AS INTEGER))", [now - keep_all_s, now - keep_all_s, bucket_s])
+        return cur.rowcount
+
     # --- events and audit ---------------------------------------------------
     def add_event(self, *, kind: str, run_id: str | None = None, stage: str | None = None, data: dict | None = None) -> int:
         """Append an event (state changes, exits, handoff steps, actions)."""

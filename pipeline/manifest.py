@@ -1,0 +1,47 @@
+"""The extraction manifest: `OUT/manifest.sqlite`, the authoritative per-sample record.
+
+Table `samples`: idx INTEGER PRIMARY KEY (the data line, from 0), id, status
+('done' | 'failed'), tokens, bytes, attempts, error, finished_at (unix seconds).
+Table `meta`: key, value — dataset_sha256, samples_total, tokens_total, model,
+layers, hidden_size, layer_ids, layer_convention, final_layer.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.sqlite"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS samples (
+    idx INTEGER PRIMARY KEY, id TEXT, status TEXT NOT NULL CHECK (status IN ('done', 'failed')),
+    tokens INTEGER, bytes INTEGER, attempts INTEGER, error TEXT, finished_at REAL
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+"""
+
+
+def open_readonly(path: Path) -> sqlite3.Connection:
+    """A read-only connection that never creates the file."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    conn.execute("PRAGMA busy_timeout = 5000")
+    return conn
+
+
+def summarize(out_dir: Path) -> dict:
+    """{done, failed, total, tokens_done, tokens_total, layers, hidden_size}; raises OSError/sqlite3.Error."""
+    path = Path(out_dir) / MANIFEST_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no manifest yet")
+    conn = open_readonly(path)
+    try:
+        counts = {s: (n, t or 0) for s, n, t in conn.execute(
+            "SELECT status, COUNT(*), SUM(tokens) FROM samples GROUP BY status")}
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+    finally:
+        conn.close()
+    as_int = lambda k: int(meta[k]) if meta.get(k) not in (None, "") else None  # noqa: E731
+    done, failed = counts.get("done", (0, 0)), counts.get("failed", (0, 0))
+    return {"done": done[0], "failed": failed[0], "total": as_int("samples_total"),
+            "tokens_done": done[1] + failed[1], "tokens_total": as_int("tokens_total"), "unit": "samples",
+            "layers": as_int("layers"), "hidden_size": as_int("hidden_size")}

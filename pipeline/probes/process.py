@@ -1,0 +1,64 @@
+"""Process probe: liveness, CPU time and bytes written over a stage's whole process group."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+
+from pipeline.probes import Reading, known, unknown
+
+
+def group_processes(pgid: int, since: float) -> list[psutil.Process]:
+    """Processes in the stage's process group or session, created at or after `since`."""
+    found = []
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if proc.info["create_time"] < since - 0.001:
+                continue
+            pid = proc.info["pid"]
+            if os.getpgid(pid) == pgid or os.getsid(pid) == pgid:
+                found.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def read_process(row: dict | None, *, clock=time.time) -> Reading:
+    """The `process` section of an observation for a stage-process row."""
+    if row is None:
+        return unknown("stage not started", clock=clock)
+    ended = row["state"] in ("exited", "stopped")
+    stop = bool(row.get("stop_requested"))
+    if ended or row["state"] == "unknown" and row.get("ended_at"):
+        code = row["exit_code"] if row["exit_code"] is not None else (-row["signal"] if row.get("signal") else None)
+        return known({"alive": False, "exit_code": code, "stop_requested": stop}, clock=clock)
+    if row.get("pid") is None:
+        return known({"alive": None, "exit_code": None, "stop_requested": stop}, clock=clock)
+    members = group_processes(row["pgid"], row["create_time"] or 0)
+    if not members:
+        # Gone, but the runner has not recorded how yet: say so rather than guess "vanished".
+        return Reading(t=clock(), value={"alive": None, "exit_code": None, "stop_requested": stop},
+                       unknown="the process ended; its exit status is not recorded yet")
+    leader = next((p for p in members if p.pid == row["pid"]), None)
+    value = {"alive": leader is not None or bool(members), "exit_code": None, "stop_requested": stop,
+             "members": len(members), "zombie": False}
+    cpu = io = 0.0
+    io_reason = None
+    for p in members:
+        try:
+            with p.oneshot():
+                if p.pid == row["pid"] and p.status() == psutil.STATUS_ZOMBIE:
+                    value["zombie"] = True
+                t = p.cpu_times()
+                cpu += t.user + t.system
+                try:
+                    io += p.io_counters().write_bytes
+                except (psutil.AccessDenied, AttributeError) as exc:
+                    io_reason = f"I/O counters unavailable ({type(exc).__name__})"
+        except psutil.Error:
+            continue
+    value["cpu_s"] = round(cpu, 3)
+    value["io_write_bytes"] = None if io_reason else int(io)
+    return known(value, clock=clock)

@@ -1,0 +1,73 @@
+"""Progress readers: each stage's own authority, never the server's counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import time
+from pathlib import Path
+
+from pipeline.logfile import tail_lines
+from pipeline.manifest import summarize
+from pipeline.probes import Reading, known, unknown
+
+
+def read_manifest(out_dir: Path | None, *, clock=time.time) -> Reading:
+    """Extraction progress from OUT/manifest.sqlite."""
+    if out_dir is None:
+        return unknown("stages.extract.out is not configured", clock=clock)
+    try:
+        return known(summarize(out_dir), clock=clock)
+    except FileNotFoundError as exc:
+        return unknown(str(exc), clock=clock)
+    except (OSError, sqlite3.Error) as exc:
+        return unknown(f"{out_dir}/manifest.sqlite unreadable: {exc}", clock=clock)
+
+
+def read_train_progress(ckpt_dir: Path | None, *, clock=time.time) -> Reading:
+    """Training progress from the last line of CKPT_DIR/progress.jsonl."""
+    if ckpt_dir is None:
+        return unknown("stages.train.out is not configured", clock=clock)
+    path = Path(ckpt_dir) / "progress.jsonl"
+    for line in reversed(tail_lines(path, 5)):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            return known({"done": rec["step"], "failed": 0, "total": rec.get("total_steps"), "unit": "steps",
+                          "loss": rec.get("loss"), "kl": rec.get("kl"), "tokens_per_s": rec.get("tokens_per_s"),
+                          "error": rec.get("error")}, clock=clock)
+    return unknown(f"{path}: no step logged yet", clock=clock)
+
+
+class LogProgress:
+    """Tails a stage log from its last offset; a regex with groups `done` and `total` gives progress."""
+
+    def __init__(self, path: Path, pattern: str, *, clock=time.time) -> None:
+        self.path, self.regex, self.clock = Path(path), re.compile(pattern), clock
+        self.offset, self.inode, self.last = 0, None, None
+
+    def read(self) -> Reading:
+        """The last matching line's done/total."""
+        try:
+            st = os.stat(self.path)
+            if st.st_ino != self.inode or st.st_size < self.offset:  # rotated or truncated
+                self.inode, self.offset = st.st_ino, 0
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(8 << 20)
+        except OSError as exc:
+            return unknown(f"{self.path}: {exc.strerror}", clock=self.clock)
+        cut = data.rfind(b"\n") + 1  # only whole lines
+        self.offset += cut
+        for line in data[:cut].decode("utf-8", "replace").splitlines():
+            m = self.regex.search(line)
+            if m:
+                self.last = {"done": int(m.group("done")), "failed": 0,
+                             "total": int(m.group("total")) if "total" in m.groupdict() and m.group("total") else None,
+                             "unit": "lines"}
+        return known(self.last, clock=self.clock) if self.last else unknown(
+            f"{self.path}: no line matched the progress regex yet", clock=self.clock)

@@ -1,0 +1,218 @@
+"""The sampler: every tick, one observation per stage, its verdict, and verdict events.
+
+Probes run in worker threads under one time budget per tick: a probe stuck on a
+stalled filesystem yields unknown for that reading, and is not started again
+while its previous call still hangs. Nothing here runs on a Slack request path.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+from pipeline.config import STAGE_NAMES, Workspace
+from pipeline.diagnosis import Diagnoser, Policy, Verdict
+from pipeline.probes import Reading, unknown
+from pipeline.probes.disk import projected_need, read_disk
+from pipeline.probes.files import FileScanner
+from pipeline.probes.gpu import FakeNvml, GpuProbe, RealNvml
+from pipeline.probes.process import group_processes, read_process
+from pipeline.probes.progress import LogProgress, read_manifest, read_train_progress
+from pipeline.probes.server import ServerProbe
+from pipeline.store import Store
+from pipeline.supervisor import Supervisor
+
+HISTORY_S = 7200.0  # history replayed into a fresh diagnoser after a restart
+
+
+def idle_fake_gpus(count: int):
+    """A FakeNvml script: `count` idle GPUs (what the demo and tests use by default)."""
+    return lambda tick: [{"util": 0.0, "mem_used_mb": 1000.0, "power_w": 60.0, "power_limit_w": 700.0,
+                          "energy_mj": 60_000.0 * tick, "pids": []} for _ in range(count)]
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
+        self.pending: dict = {}
+
+    def gather(self, calls: dict, budget_s: float, clock) -> dict[str, Reading]:
+        futures, out = {}, {}
+        for key, fn in calls.items():
+            prev = self.pending.get(key)
+            if prev is not None and not prev.done():
+                out[key] = unknown(f"{key}: the previous reading has not returned (stalled filesystem or server?)")
+                continue
+            futures[key] = self.pending[key] = self.pool.submit(fn)
+        deadline = time.monotonic() + budget_s
+        for key, fut in futures.items():
+            try:
+                out[key] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                out[key] = unknown(f"{key}: no reading within the {budget_s:g} s budget")
+            except Exception as exc:  # noqa: BLE001 - a probe never raises into the tick
+                out[key] = unknown(f"{key}: probe failed ({type(exc).__name__}: {exc})")
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Sampler:
+    """Observes every stage of a workspace once per tick."""
+
+    def __init__(self, *, ws: Workspace, store: Store, gpu_probe: GpuProbe | None = None, clock=time.time) -> None:
+        self.ws, self.store, self.clock = ws, store, clock
+        self.supervisor = Supervisor(workspace=ws, store=store)
+        cfg = ws.config
+        fake = cfg.monitor.fake_gpus
+        factory = (lambda: FakeNvml(idle_fake_gpus(fake))) if fake else RealNvml
+        self.gpu = gpu_probe or GpuProbe(backend_factory=factory, clock=clock)
+        self.policy = Policy(stall_floor_s=cfg.monitor.stall_floor_s, max_failed_share=cfg.handoff.max_failed_share)
+        self.budget = _Budget()
+        self.server = ServerProbe(cfg.stages.server.url, clock=clock)
+        self.scanners: dict[str, FileScanner] = {}
+        self.logs: dict[str, LogProgress] = {}
+        self.diagnosers: dict[str, tuple[int, Diagnoser]] = {}
+        self.finished: dict[str, int] = {}  # stage -> proc id whose end was already observed
+        self.last_thin = 0.0
+
+    def close(self) -> None:
+        """Stop probe threads and HTTP clients."""
+        self.budget.close()
+        self.server.close()
+
+    # --- per stage sources -----------------------------------------------------
+    def _progress_source(self, stage: str) -> str:
+        declared = self.ws.stage(stage).progress
+        if declared != "auto":
+            return declared
+        return {"extract": "manifest", "train": "progress-jsonl"}.get(stage, "none")
+
+    def _files_dir(self, stage: str) -> Path | None:
+        cfg = self.ws.stage(stage)
+        if cfg.files_dir:
+            return self.ws.resolve(cfg.files_dir)
+        out = getattr(cfg, "out", None)
+        if out is None:
+            return None
+        return self.ws.resolve(out) / "hidden_states" if stage == "extract" else self.ws.resolve(out)
+
+    def _progress_call(self, stage: str, files: dict):
+        source, cfg = self._progress_source(stage), self.ws.stage(stage)
+        if source == "manifest":
+            return lambda: read_manifest(self.ws.resolve(getattr(cfg, "out", None)), clock=self.clock)
+        if source == "progress-jsonl":
+            return lambda: read_train_progress(self.ws.resolve(getattr(cfg, "out", None)), clock=self.clock)
+        if source == "log-regex" and cfg.progress_regex:
+            tail = self.logs.setdefault(stage, LogProgress(self.ws.log_path(stage), cfg.progress_regex, clock=self.clock))
+            return tail.read
+        if source == "files":
+            return lambda: _files_progress(files, cfg.files_total, self.clock)
+        return None
+
+    # --- the tick --------------------------------------------------------------
+    def tick(self) -> dict[str, tuple[dict, Verdict]]:
+        """Observe, diagnose and record every active stage; returns {stage: (observation, verdict)}."""
+        self.supervisor.refresh()
+        rows = {s: self.store.latest_proc(s) for s in STAGE_NAMES}
+        active = {s: r for s, r in rows.items() if r and self.finished.get(s) != r["id"]}
+        if not active:
+            return {}
+        pid_stage = {}
+        for stage, row in active.items():
+            if row["state"] == "running" and row["pgid"]:
+                pid_stage.update({p.pid: stage for p in group_processes(row["pgid"], row["create_time"] or 0)})
+        calls = {"gpus": lambda: self.gpu.read(pid_stage)}
+        if "server" in active or "extract" in active:
+            calls["server"] = self.server.read
+        for stage, row in active.items():
+            calls[f"{stage}.process"] = lambda row=row: read_process(row, clock=self.clock)
+            fdir = self._files_dir(stage)
+            if fdir is not None:
+                scanner = self.scanners.setdefault(stage, FileScanner(str(fdir), suffix=self.ws.stage(stage).files_suffix,
+                                                                     budget_s=self.ws.config.monitor.probe_budget_s))
+                calls[f"{stage}.files"] = scanner.scan
+        readings = self.budget.gather(calls, self.ws.config.monitor.probe_budget_s, self.clock)
+        second = {}
+        for stage in active:
+            fn = self._progress_call(stage, _value(readings.get(f"{stage}.files")))
+            if fn:
+                second[f"{stage}.progress"] = fn
+        readings.update(self.budget.gather(second, self.ws.config.monitor.probe_budget_s, self.clock))
+        out = {stage: self._record(stage, row, readings) for stage, row in active.items()}
+        self._maybe_thin()
+        return out
+
+    def _record(self, stage: str, row: dict, readings: dict[str, Reading]) -> tuple[dict, Verdict]:
+        now = self.clock()
+        obs: dict = {"t": now, "stage": stage}
+        sections = {"process": f"{stage}.process", "progress": f"{stage}.progress", "files": f"{stage}.files",
+                    "gpus": "gpus", "server": "server" if stage in ("server", "extract") else None}
+        for section, key in sections.items():
+            reading = readings.get(key) if key else None
+            if reading is None:
+                continue
+            obs[section] = reading.value
+            if reading.unknown:
+                obs.setdefault("unknown", {})[section] = reading.unknown
+        if stage == "extract":
+            obs["disk"] = self._disk(obs)
+        final = row["state"] in ("exited", "stopped") or (row["state"] == "unknown" and bool(row.get("ended_at")))
+        if final:
+            self.finished[stage] = row["id"]
+        verdict = self._diagnoser(stage, row).feed(obs)
+        with self.store.atomic():
+            self.store.add_observation(obs, run_id=row["run_id"])
+            previous = self.store.get(f"verdict:{stage}")
+            record = {**verdict.replay_json(), "proc_id": row["id"], "run": row["run_id"], "final": final,
+                      "done": verdict.done, "failed": verdict.failed, "total": verdict.total,
+                      "rate_samples_per_s": verdict.rate_samples_per_s, "rate_tokens_per_s": verdict.rate_tokens_per_s,
+                      "last_progress_at": verdict.last_progress_at, "deadline_s": verdict.deadline_s}
+            self.store.put(f"verdict:{stage}", record)
+            if not previous or previous.get("verdict") != verdict.verdict or previous.get("proc_id") != row["id"]:
+                self.store.add_event(kind="verdict", run_id=row["run_id"], stage=stage, data={
+                    "from": (previous or {}).get("verdict"), "to": verdict.verdict, "reasons": list(verdict.reasons),
+                    "progress_pct": record["progress_pct"]})
+        return obs, verdict
+
+    def _disk(self, obs: dict) -> dict | None:
+        prog = obs.get("progress") or {}
+        left = None
+        if prog.get("tokens_total") is not None and prog.get("tokens_done") is not None:
+            left = prog["tokens_total"] - prog["tokens_done"]
+        need = projected_need(tokens_left=left, layers=prog.get("layers"), hidden=prog.get("hidden_size"))
+        out = self.ws.resolve(self.ws.stage("extract").out)
+        reading = read_disk(str(out) if out else None, need_bytes=need, clock=self.clock)
+        if reading.unknown:
+            obs.setdefault("unknown", {})["disk"] = reading.unknown
+        return reading.value
+
+    def _diagnoser(self, stage: str, row: dict) -> Diagnoser:
+        current = self.diagnosers.get(stage)
+        if current and current[0] == row["id"]:
+            return current[1]
+        d = Diagnoser(stage=stage, policy=self.policy)
+        since = max(row["started_at"] or 0, self.clock() - HISTORY_S)
+        for past in self.store.observations(stage=stage, since=since):
+            d.feed(past)  # resume the fold after a restart of the service
+        self.diagnosers[stage] = (row["id"], d)
+        return d
+
+    def _maybe_thin(self) -> None:
+        now = self.clock()
+        if now - self.last_thin > 3600:
+            self.store.thin_observations(now=now)
+            self.last_thin = now
+
+
+def _value(reading: Reading | None):
+    return reading.value if reading else None
+
+
+def _files_progress(files: dict | None, total: int | None, clock) -> Reading:
+    if not files:
+        return unknown("file count unknown this tick", clock=clock)
+    return Reading(t=clock(), value={"done": files["count"], "failed": 0, "total": total, "unit": "files"})
