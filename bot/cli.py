@@ -115,6 +115,74 @@ def cmd_run_stage(args) -> int:
     return run_stage(ws=load_workspace(find_config(args.config)), stage=args.stage, proc_id=args.proc_id)
 
 
+@command("serve", "run the monitor (and, later, the Slack app) until stopped; stages keep running")
+def cmd_serve(args) -> int:
+    from bot.service import serve
+    from pipeline.config import find_config
+    return serve(load_workspace(find_config(args.config)), max_ticks=args.max_ticks)
+
+
+@command("diagnose", "verdicts: of the live workspace, or --replay a recorded observation trace")
+def cmd_diagnose(args) -> int:
+    if args.replay:
+        return _replay(args)
+    from handlers.views import verdict_line
+    ctl = _controller(args)
+    try:
+        status = ctl.status()
+    finally:
+        ctl.close()
+    for name, st in status["stages"].items():
+        print(f"{name}: {st['state']}" + ("\n" + verdict_line(name, st) if st["state"] != "not-started" else ""))
+    return 0
+
+
+def _replay(args) -> int:
+    from handlers.views import replay_timeline_line
+    from pipeline.replay import replay
+    try:
+        fh = sys.stdin if args.replay == "-" else open(args.replay, encoding="utf-8", errors="replace")  # noqa: SIM115
+    except OSError as exc:
+        raise UserError(f"{args.replay}: cannot read the trace ({exc.strerror}); check the path") from None
+    processed, last = 0, {}
+    with fh:
+        for item in replay(fh):
+            if item.skipped:
+                print(f"eagle3: {args.replay}:{item.lineno}: skipped: {item.skipped}", file=sys.stderr)
+                continue
+            processed += 1
+            v = item.verdict
+            if args.json:
+                print(json.dumps(v.replay_json(), separators=(",", ":")))
+            elif last.get(v.stage) != v.verdict:
+                print(replay_timeline_line(v))
+            last[v.stage] = v.verdict
+    if not processed:
+        print(f"eagle3: {args.replay}: no observation could be processed", file=sys.stderr)
+        return 2
+    return 0
+
+
+@command("export-trace", "write stored observations as JSONL (the replay format)")
+def cmd_export_trace(args) -> int:
+    from pipeline.timeparse import parse_time
+    since = parse_time(args.since) if args.since else None
+    ctl = _controller(args)
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
+    count = 0
+    try:
+        for obs in ctl.store.observations(stage=args.stage, since=since):
+            out.write(json.dumps(obs, separators=(",", ":")) + "\n")
+            count += 1
+    finally:
+        ctl.close()
+        if args.out:
+            out.close()
+    if args.out:
+        print(f"wrote {count} observations to {args.out}")
+    return 0
+
+
 @command("demo", "a short tour of what exists so far, in a temporary workspace")
 def cmd_demo(args) -> int:
     from bot.demo import run_demo
@@ -139,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     p["status"].add_argument("--json", action="store_true", help="one JSON object")
     p["logs"].add_argument("stage", choices=STAGE_NAMES)
     p["logs"].add_argument("-n", type=int, default=50, help="lines to show (default 50)")
+    p["serve"].add_argument("--max-ticks", type=int, default=None, help="exit after N ticks (scripts, tests)")
+    p["diagnose"].add_argument("--replay", metavar="FILE", help="observation JSONL to replay ('-' for stdin)")
+    p["diagnose"].add_argument("--json", action="store_true", help="one JSON object per processed line")
+    p["export-trace"].add_argument("--stage", choices=STAGE_NAMES)
+    p["export-trace"].add_argument("--since", help="unix seconds or ISO 8601")
+    p["export-trace"].add_argument("--out", help="file to write (default: stdout)")
     p["run-stage"].add_argument("--stage", required=True, choices=STAGE_NAMES)
     p["run-stage"].add_argument("--proc-id", required=True, type=int)
     return parser

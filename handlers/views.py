@@ -44,8 +44,12 @@ def stage_line(name: str, st: dict) -> str:
 def status_text(status: dict) -> str:
     """The whole `eagle3 status` text."""
     lines = [f"run: {status['run'] or 'none open'}"]
+    if status.get("monitor") == "not running":
+        lines.append("monitor: not running (start `eagle3 serve`); running stages were sampled just now")
     for name, st in status["stages"].items():
         lines.append(stage_line(name, st))
+        if st["state"] != "not-started" and st.get("verdict"):
+            lines.append(verdict_line(name, st))
         lines.append(f"{'':<8} log: {st['log']}")
     return "\n".join(lines)
 
@@ -61,3 +65,39 @@ def stop_text(result) -> str:
         who = ", ".join(f"{m.pid} ({m.name})" for m in result.survivors)
         return f"{result.stage}: {how}, but these processes of its group survived: {who}"
     return f"{result.stage}: {how}"
+
+
+def verdict_line(stage: str, st: dict) -> str:
+    """The diagnosis part of a stage in `eagle3 status`."""
+    verdict = st.get("verdict")
+    if not verdict:
+        return ""
+    parts = [f"{'':<8} verdict: {verdict}"]
+    if st.get("progress_pct") is not None:
+        done = st.get("done")
+        total = st.get("total")
+        count = f" ({done + (st.get('failed') or 0):,} / {total:,})" if done is not None and total else ""
+        parts.append(f"{st['progress_pct']:.1f} %{count}")
+    if st.get("eta_s") is not None:
+        parts.append(f"ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))})")
+    elif verdict in ("progressing", "slow", "starting"):
+        parts.append("ETA not yet meaningful")
+    line = ", ".join(parts)
+    reasons = st.get("reasons") or []
+    return line + ("\n" + "\n".join(f"{'':<10} - {r}" for r in reasons) if reasons else "")
+
+
+def replay_timeline_line(v) -> str:
+    """One verdict change in the readable replay timeline."""
+    pct = f" {v.progress_pct:.1f} %" if v.progress_pct is not None else ""
+    eta = f" ETA {ago(v.eta_s)}" if v.eta_s is not None else ""
+    reasons = f" — {'; '.join(v.reasons)}" if v.reasons else ""
+    return f"{clock_time(v.t)}  {v.stage:<8} {v.verdict:<11}{pct}{eta}{reasons}"
+
+
+def verdict_event_text(event: dict) -> str:
+    """A verdict transition as the console transport prints it."""
+    d = event["data"]
+    pct = f" at {d['progress_pct']:.1f} %" if d.get("progress_pct") is not None else ""
+    reasons = f": {'; '.join(d['reasons'])}" if d.get("reasons") else ""
+    return f"[{clock_time(event['t'])}] {event['stage']}: {d.get('from') or 'new'} → {d['to']}{pct}{reasons}"

@@ -1,0 +1,260 @@
+"""Probes: real readings, and every unknown path with its reason (never zeros)."""
+
+import http.server
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline.manifest import SCHEMA
+from pipeline.probes.disk import projected_need, read_disk
+from pipeline.probes.files import FileScanner
+from pipeline.probes.gpu import FakeNvml, GpuProbe
+from pipeline.probes.process import read_process
+from pipeline.probes.progress import LogProgress, read_manifest, read_train_progress
+from pipeline.probes.server import ServerProbe, parse_metrics
+
+
+# --- files -----------------------------------------------------------------------
+def make_tree(root, dirs=3, files=5):
+    for d in range(dirs):
+        sub = root / f"{d * 1000:06d}-{d * 1000 + 999:06d}"
+        sub.mkdir(parents=True)
+        for f in range(files):
+            (sub / f"hs_{d * 1000 + f}.safetensors").write_bytes(b"x" * 100)
+
+
+def test_scanner_counts_final_files_and_temp_bytes_as_activity(tmp_path):
+    make_tree(tmp_path)
+    (tmp_path / "000000-000999" / ".hs_5.safetensors.tmp").write_bytes(b"y" * 50)
+    (tmp_path / "000000-000999" / "hs_6.safetensors.tmp").write_bytes(b"y" * 30)
+    r = FileScanner(str(tmp_path), suffix=".safetensors").scan()
+    assert r.unknown is None
+    assert r.value["count"] == 15 and r.value["final_bytes"] == 1500
+    assert r.value["temp_bytes"] == 80 and r.value["bytes"] == 1580
+
+
+def test_scanner_rescans_only_changed_directories(tmp_path):
+    make_tree(tmp_path, dirs=5)
+    old = time.time_ns() - 10_000_000_000
+    for p in [tmp_path, *tmp_path.iterdir()]:
+        os.utime(p, ns=(old, old))
+    scanner = FileScanner(str(tmp_path))
+    scanner.scan()
+    assert scanner.rescanned == 6
+    scanner.scan()
+    assert scanner.rescanned == 0
+    active = tmp_path / "002000-002999"
+    (active / "hs_new.safetensors").write_bytes(b"z")
+    r = scanner.scan()
+    assert scanner.rescanned == 1 and r.value["count"] == 26
+
+
+def test_scanner_same_tick_mtime_race(tmp_path):
+    """A file added within the mtime granularity is not lost when the mtime does not move."""
+    make_tree(tmp_path, dirs=1, files=1)
+    d = tmp_path / "000000-000999"
+    stamp = time.time_ns()
+    os.utime(d, ns=(stamp, stamp))
+    scanner = FileScanner(str(tmp_path))
+    assert scanner.scan().value["count"] == 1
+    (d / "hs_2.safetensors").write_bytes(b"x")
+    os.utime(d, ns=(stamp, stamp))  # a coarse filesystem: same mtime after the change
+    assert scanner.scan().value["count"] == 2
+
+
+def test_scanner_budget_exhausted_is_unknown_not_partial(tmp_path):
+    make_tree(tmp_path, dirs=3)
+    ticks = iter(range(1000))
+    scanner = FileScanner(str(tmp_path), budget_s=2, clock=lambda: next(ticks))
+    r = scanner.scan()
+    assert r.value is None and "exceeded its 2 s budget" in r.unknown
+
+
+def test_scanner_missing_root_is_unknown(tmp_path):
+    r = FileScanner(str(tmp_path / "nope")).scan()
+    assert r.value is None and "no such directory" in r.unknown
+
+
+def test_scanner_flat_directory(tmp_path):
+    for i in range(300):
+        (tmp_path / f"hs_{i}.safetensors").write_bytes(b"x")
+    scanner = FileScanner(str(tmp_path))
+    assert scanner.scan().value["count"] == 300
+    (tmp_path / "hs_300.safetensors").write_bytes(b"x")
+    assert scanner.scan().value["count"] == 301
+
+
+# --- GPU ---------------------------------------------------------------------------
+def test_no_nvml_is_unknown_with_reason_never_zero():
+    def broken():
+        raise OSError("NVML Shared Library Not Found")
+
+    r = GpuProbe(backend_factory=broken).read()
+    assert r.value is None
+    assert r.unknown.startswith("NVML not available: driver not loaded")
+
+
+def test_fake_nvml_readings_energy_delta_and_holders():
+    script = lambda tick: [{"util": 40.0 + tick, "mem_used_mb": 1000.0, "power_w": 300.0, "power_limit_w": 700.0,  # noqa: E731
+                            "energy_mj": 1_000_000.0 * tick, "pids": [4242]}]
+    probe = GpuProbe(backend_factory=lambda: FakeNvml(script))
+    first = probe.read({4242: "server"}).value[0]
+    second = probe.read({4242: "server"}).value[0]
+    assert first["energy_j_delta"] is None and second["energy_j_delta"] == 1000.0
+    assert second["util"] == 41.0 and second["holders"] == ["server"]
+
+
+def test_gpu_read_failure_is_unknown():
+    class Flaky(FakeNvml):
+        def read(self, index, since_us):
+            raise RuntimeError("GPU is lost")
+
+    r = GpuProbe(backend_factory=lambda: Flaky(lambda t: [{}])).read()
+    assert r.value is None and "GPU is lost" in r.unknown
+
+
+def test_real_nvml_absent_here_is_unknown():
+    r = GpuProbe().read()  # this machine has no GPU driver
+    assert (r.value is None and r.unknown.startswith("NVML not available")) or isinstance(r.value, list)
+
+
+# --- server ----------------------------------------------------------------------------
+METRICS = """# HELP sglang:num_running_reqs x
+sglang:num_running_reqs{model_name="m"} 1.0
+sglang:num_queue_reqs{model_name="m"} 0.0
+sglang:num_requests_total{model_name="m"} 22391.0
+sglang:gen_throughput{model_name="m"} NaN
+"""
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    health = 200
+
+    def do_GET(self):  # noqa: N802
+        body, code = {"/health_generate": (b"", _Handler.health), "/metrics": (METRICS.encode(), 200),
+                      "/get_server_info": (b'{"version": "0.5.23"}', 200)}.get(self.path, (b"", 404))
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def http_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+    _Handler.health = 200
+
+
+def test_server_probe_reads_health_and_activity(http_server):
+    r = ServerProbe(http_server).read()
+    assert r.value == {"healthy": True, "health_status": 200, "running_reqs": 1.0, "queue_reqs": 0.0,
+                       "requests_total": 22391.0, "version": "0.5.23"}
+
+
+def test_server_503_is_unhealthy(http_server):
+    _Handler.health = 503
+    assert ServerProbe(http_server).read().value["healthy"] is False
+
+
+def test_server_unreachable_is_unknown():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = ServerProbe(f"http://127.0.0.1:{port}", timeout_s=1).read()
+    assert r.value is None and "unreachable" in r.unknown
+
+
+def test_parse_metrics_sums_labels_and_skips_nan():
+    m = parse_metrics(METRICS + 'sglang:num_running_reqs{model_name="n"} 2\n')
+    assert m["sglang:num_running_reqs"] == 3.0 and "sglang:gen_throughput" not in m
+
+
+# --- disk, progress, process ------------------------------------------------------------------
+def test_projected_need_formula():
+    # The incident's dataset: 87.8 M tokens × 4 layers × 7,168 × 2 bytes ≈ 5 TB.
+    assert projected_need(tokens_left=87_800_000, layers=4, hidden=7168) == 87_800_000 * 4 * 7168 * 2
+    assert projected_need(tokens_left=None, layers=4, hidden=7168) is None
+
+
+def test_disk_reading_and_fit(tmp_path):
+    r = read_disk(str(tmp_path / "not-yet"), need_bytes=10**30)
+    assert r.value["free_bytes"] > 0 and r.value["fits"] is False
+    assert read_disk(None, need_bytes=None).unknown == "no output directory configured"
+
+
+def write_manifest(out, *, done, failed, total, tokens=10):
+    out.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(out / "manifest.sqlite")
+    conn.executescript(SCHEMA)
+    conn.executemany("INSERT INTO samples (idx, status, tokens) VALUES (?, ?, ?)",
+                     [(i, "done" if i < done else "failed", tokens) for i in range(done + failed)])
+    conn.executemany("INSERT INTO meta VALUES (?, ?)", [("samples_total", str(total)), ("tokens_total", str(total * tokens)),
+                                                       ("layers", "4"), ("hidden_size", "64")])
+    conn.commit()
+    conn.close()
+
+
+def test_manifest_progress(tmp_path):
+    write_manifest(tmp_path, done=7, failed=1, total=20)
+    r = read_manifest(tmp_path)
+    assert r.value["done"] == 7 and r.value["failed"] == 1 and r.value["total"] == 20
+    assert r.value["tokens_done"] == 80 and r.value["tokens_total"] == 200 and r.value["layers"] == 4
+
+
+def test_manifest_missing_or_corrupt_is_unknown(tmp_path):
+    assert "no manifest yet" in read_manifest(tmp_path).unknown
+    (tmp_path / "manifest.sqlite").write_bytes(b"junk" * 1000)
+    assert "unreadable" in read_manifest(tmp_path).unknown
+    assert not (tmp_path / "manifest.sqlite-wal").exists()
+
+
+def test_train_progress_reads_last_complete_line(tmp_path):
+    (tmp_path / "progress.jsonl").write_text(
+        '{"step": 1, "total_steps": 80, "loss": 3.0, "kl": 2.0, "tokens_per_s": 100}\n'
+        '{"step": 2, "total_steps": 80, "loss": 2.9, "kl": 1.9, "tokens_per_s": 100}\n{"step": 3, "tot')
+    r = read_train_progress(tmp_path)
+    assert r.value["done"] == 2 and r.value["total"] == 80 and r.value["unit"] == "steps"
+
+
+def test_log_regex_progress_follows_rotation(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("noise\nsample 5/100\nsample 6/1")
+    tail = LogProgress(log, r"sample (?P<done>\d+)/(?P<total>\d+)")
+    assert tail.read().value == {"done": 5, "failed": 0, "total": 100, "unit": "lines"}
+    with open(log, "a") as fh:
+        fh.write("00\n")
+    assert tail.read().value["done"] == 6
+    log.rename(tmp_path / "x.log.1")
+    log.write_text("sample 7/100\n")
+    assert tail.read().value["done"] == 7
+
+
+def test_process_probe_over_real_group():
+    child = subprocess.Popen([sys.executable, "-c", "import os,time\nif os.fork()==0: time.sleep(30)\nelse:\n"
+                              " x=sum(range(3_000_000)); open(os.devnull,'w').write('x'*100000); time.sleep(30)"],
+                             start_new_session=True)
+    import psutil
+    try:
+        time.sleep(1.0)
+        row = {"id": 1, "state": "running", "pid": child.pid, "pgid": child.pid,
+               "create_time": psutil.Process(child.pid).create_time(), "exit_code": None, "stop_requested": 0}
+        r = read_process(row)
+        assert r.value["alive"] is True and r.value["members"] == 2 and r.value["cpu_s"] > 0
+    finally:
+        os.killpg(child.pid, 9)
+        child.wait()
+    ended = read_process({**row, "state": "exited", "exit_code": None, "signal": 9})
+    assert ended.value == {"alive": False, "exit_code": -9, "stop_requested": False}
+    assert read_process(None).unknown == "stage not started"
