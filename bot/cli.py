@@ -61,9 +61,11 @@ def cmd_start(args) -> int:
         proc = ctl.start(args.stage)
     finally:
         ctl.close()
-    if proc["state"] != "running":
+    if proc["pid"] is None:
         raise UserError(f"{args.stage} did not start: {proc['reason']}; see `eagle3 logs {args.stage}`")
     print(f"started {args.stage}: pid {proc['pid']}, run {proc['run_id']}, log {proc['log']}")
+    if proc["state"] != "running":
+        print(f"{args.stage} has already ended ({proc['reason']}); see `eagle3 logs {args.stage}`")
     return 0
 
 
