@@ -185,6 +185,31 @@ def cmd_export_trace(args) -> int:
     return 0
 
 
+@command("extract", "extract hidden states from an SGLang server into OUT (resumable)")
+def cmd_extract(args) -> int:
+    from pipeline.extract.client import Options, extract
+    return extract(Options(server=args.server, data=Path(args.data), out=Path(args.out), concurrency=args.concurrency,
+                           max_retries=args.max_retries, mode=args.mode, layers=args.layers,
+                           target_topk=args.target_topk, dtype=args.dtype, dump_field=args.dump_field,
+                           server_wait_s=args.server_wait, force=args.force))
+
+
+@command("verify", "open random extracted files and check keys, shapes, token ids and finiteness")
+def cmd_verify(args) -> int:
+    from pipeline.extract.verify import describe, verify
+    res = verify(Path(args.out), sample=args.sample)
+    print(describe(res, Path(args.out)))
+    for problem in res.problems[:50]:
+        print(f"  {problem}")
+    return 0 if res.ok and res.checked else 2
+
+
+@command("toy-server", "a tiny SGLang-compatible target on loopback (demo, tests, benchmarks)")
+def cmd_toy_server(args) -> int:
+    from pipeline.toy_server import serve as toy_serve
+    return toy_serve(args)
+
+
 @command("demo", "a short tour of what exists so far, in a temporary workspace")
 def cmd_demo(args) -> int:
     from bot.demo import run_demo
@@ -215,6 +240,23 @@ def build_parser() -> argparse.ArgumentParser:
     p["export-trace"].add_argument("--stage", choices=STAGE_NAMES)
     p["export-trace"].add_argument("--since", help="unix seconds or ISO 8601")
     p["export-trace"].add_argument("--out", help="file to write (default: stdout)")
+    e = p["extract"]
+    e.add_argument("--server", required=True, help="SGLang base URL, e.g. http://127.0.0.1:30000")
+    e.add_argument("--data", required=True, help="JSONL, one sample a line with input_ids and an optional id")
+    e.add_argument("--out", required=True, help="output directory (hidden_states/ and manifest.sqlite)")
+    e.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    e.add_argument("--max-retries", type=int, default=3, help="retries of a sample with a bad answer (default 3)")
+    e.add_argument("--mode", choices=("inline", "dump"), default="inline")
+    e.add_argument("--layers", type=int, help="layers per returned row (default: from /get_server_info)")
+    e.add_argument("--target-topk", type=int, help="top-K target logprobs when the final layer is absent (default 20)")
+    e.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    e.add_argument("--dump-field", default="hidden_states_path", help="dump mode: meta_info field naming the file")
+    e.add_argument("--server-wait", type=float, default=600.0, help="seconds to wait for an unreachable server")
+    e.add_argument("--force", action="store_true", help="continue into an OUT made from another dataset")
+    p["verify"].add_argument("out", help="extraction output directory")
+    p["verify"].add_argument("--sample", type=int, default=200, help="files to open (default 200)")
+    from pipeline.toy_args import add_arguments
+    add_arguments(p["toy-server"])
     p["run-stage"].add_argument("--stage", required=True, choices=STAGE_NAMES)
     p["run-stage"].add_argument("--proc-id", required=True, type=int)
     return parser

@@ -45,3 +45,45 @@ def summarize(out_dir: Path) -> dict:
     return {"done": done[0], "failed": failed[0], "total": as_int("samples_total"),
             "tokens_done": done[1] + failed[1], "tokens_total": as_int("tokens_total"), "unit": "samples",
             "layers": as_int("layers"), "hidden_size": as_int("hidden_size")}
+
+
+class Manifest:
+    """The writer's side: one connection owned by the extraction client."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = Path(out_dir) / MANIFEST_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
+        self.conn.execute("PRAGMA journal_mode = WAL")
+        # Each sample's file is fsync-ed before its row is written; a row lost to a power
+        # cut only means that sample is extracted again on resume.
+        self.conn.execute("PRAGMA synchronous = NORMAL")
+        self.conn.executescript(SCHEMA)
+
+    def meta(self) -> dict[str, str]:
+        """All meta key/values."""
+        return dict(self.conn.execute("SELECT key, value FROM meta"))
+
+    def set_meta(self, values: dict[str, object]) -> None:
+        """Upsert meta values (stored as text)."""
+        self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                              [(k, str(v)) for k, v in values.items()])
+
+    def done(self) -> set[int]:
+        """Indices recorded as done."""
+        return {r[0] for r in self.conn.execute("SELECT idx FROM samples WHERE status = 'done'")}
+
+    def forget(self, indices: list[int]) -> None:
+        """Drop rows (a done sample whose file is missing is extracted again)."""
+        self.conn.executemany("DELETE FROM samples WHERE idx = ?", [(i,) for i in indices])
+
+    def record(self, *, idx: int, sample_id: str | None, status: str, tokens: int | None, nbytes: int | None,
+               attempts: int, error: str | None, now: float) -> None:
+        """Record one sample's outcome (replacing an earlier attempt's row)."""
+        self.conn.execute(
+            "INSERT OR REPLACE INTO samples (idx, id, status, tokens, bytes, attempts, error, finished_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (idx, sample_id, status, tokens, nbytes, attempts, error, now))
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()

@@ -1,0 +1,1 @@
+"""The hidden-state extraction stage: `eagle3 extract` and `eagle3 verify`."""

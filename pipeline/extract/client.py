@@ -1,0 +1,272 @@
+"""`eagle3 extract`: send every sample to the server and store validated hidden states.
+
+Async, with a bounded number of requests in flight. A sample is counted only after
+its file is validated, fsync-ed and renamed into place, and then recorded in the
+manifest. When the server is unreachable the client waits for it (the restart
+policy may be bringing it back) instead of burning the samples' retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from pipeline.errors import UserError
+from pipeline.extract import dataset as ds
+from pipeline.extract.preflight import Plan, fetch_info, plan
+from pipeline.extract.progress_line import ProgressLine
+from pipeline.extract.response import BadResponse, check_rows, prefill_rows, topk_rows
+from pipeline.extract.writer import (
+    DTYPES,
+    encode,
+    remove_temp_files,
+    sample_path,
+    tensors_for,
+    write_atomic,
+)
+from pipeline.manifest import Manifest
+
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES}
+LAYER_CONVENTION = "sglang-layer-input"  # aux state i is the input of layer i
+
+
+class DiskError(Exception):
+    """The output cannot be written: the run stops, resumable once fixed."""
+
+
+@dataclass
+class Options:
+    """`eagle3 extract` arguments."""
+
+    server: str
+    data: Path
+    out: Path
+    concurrency: int = 32
+    max_retries: int = 3
+    mode: str = "inline"
+    layers: int | None = None
+    target_topk: int | None = None
+    dtype: str = "bf16"
+    dump_field: str = "hidden_states_path"
+    server_wait_s: float = 600.0
+    force: bool = False
+    timeout_s: float = 600.0
+
+
+class Extractor:
+    """One extraction run over a dataset."""
+
+    def __init__(self, opts: Options, *, log=sys.stderr) -> None:
+        self.o, self.log = opts, log
+        self.stopping = asyncio.Event()
+        self.server_up = asyncio.Event()
+        self.server_up.set()
+        self.width: int | None = None
+        self.fatal: Exception | None = None
+
+    # --- setup --------------------------------------------------------------------
+    def prepare(self) -> tuple[ds.Dataset, Plan, Manifest, list[int]]:
+        data = ds.scan(self.o.data)
+        longest = max(data.tokens, default=0)
+        p = plan(fetch_info(self.o.server), layers=self.o.layers, topk=self.o.target_topk, longest=longest)
+        self.say(f"server {self.o.server}: version {p.version}, {p.layers} layers per row "
+                 f"({'3 aux + final' if p.final_present else '3 aux, no final; top-' + str(p.topk) + ' target logprobs'}), "
+                 f"chunked prefill {p.chunk}, aux layer ids {p.layer_ids}")
+        for w in p.warnings:
+            self.say(f"warning: {w}")
+        manifest = Manifest(self.o.out)
+        meta = manifest.meta()
+        if meta.get("dataset_sha256") not in (None, data.sha256) and not self.o.force:
+            manifest.close()
+            raise UserError(f"{self.o.out}: holds extraction of a different dataset (hash {meta['dataset_sha256'][:12]}…, "
+                            f"this one {data.sha256[:12]}…); use another --out, or --force to continue into it")
+        (self.o.out / "hidden_states").mkdir(parents=True, exist_ok=True)
+        removed = remove_temp_files(self.o.out / "hidden_states")
+        if removed:
+            self.say(f"removed {removed} temp file(s) left by an interrupted run")
+        manifest.set_meta({"dataset_sha256": data.sha256, "samples_total": len(data), "tokens_total": data.tokens_total,
+                           "model": p.model, "layers": p.layers, "layer_ids": json.dumps(p.layer_ids),
+                           "layer_convention": LAYER_CONVENTION, "final_layer": "present" if p.final_present else "absent",
+                           "data_path": str(Path(self.o.data).resolve()), "server_version": p.version})
+        done = manifest.done()
+        missing = [i for i in done if not sample_path(self.o.out, i).exists()]
+        if missing:
+            self.say(f"{len(missing)} sample(s) recorded done have no file; extracting them again")
+            manifest.forget(missing)
+        todo = [i for i in range(len(data)) if i not in done or i in set(missing)]
+        if len(todo) < len(data):
+            self.say(f"resuming: {len(data) - len(todo):,} of {len(data):,} samples already done")
+        return data, p, manifest, todo
+
+    def say(self, text: str) -> None:
+        print(f"extract: {text}", file=self.log, flush=True)
+
+    # --- the run --------------------------------------------------------------------
+    async def run(self) -> int:
+        data, p, manifest, todo = self.prepare()
+        if "hidden_size" in manifest.meta():
+            self.width = int(manifest.meta()["hidden_size"]) * p.layers
+        progress = ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
+                                tokens_total=data.tokens_total)
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in todo:
+            queue.put_nowait(i)
+        limits = httpx.Limits(max_connections=self.o.concurrency, max_keepalive_connections=self.o.concurrency)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop)
+        with open(self.o.data, "rb") as fh:
+            async with httpx.AsyncClient(base_url=self.o.server, timeout=self.o.timeout_s, limits=limits) as client:
+                workers = [asyncio.create_task(self._worker(client, queue, data, fh, p, manifest, progress))
+                           for _ in range(self.o.concurrency)]
+                await asyncio.gather(*workers)
+        manifest.close()
+        progress.final()
+        if isinstance(self.fatal, DiskError):
+            raise UserError(str(self.fatal))
+        if self.fatal:
+            raise UserError(str(self.fatal))
+        if self.stopping.is_set():
+            self.say("stopped on request; the manifest is consistent — run the same command to resume")
+        return 0
+
+    def _stop(self) -> None:
+        if not self.stopping.is_set():
+            self.say("stop requested: finishing the samples in flight, taking no new ones")
+        self.stopping.set()
+
+    async def _worker(self, client, queue, data, fh, p: Plan, manifest: Manifest, progress: ProgressLine) -> None:
+        while not self.stopping.is_set() and not self.fatal:
+            try:
+                idx = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            status, tokens, nbytes, attempts, error, sid = await self._one(client, data, fh, idx, p)
+            if self.fatal:
+                return
+            manifest.record(idx=idx, sample_id=sid, status=status, tokens=tokens, nbytes=nbytes, attempts=attempts,
+                            error=error, now=time.time())
+            if status == "done" and self.width and "hidden_size" not in manifest.meta():
+                manifest.set_meta({"hidden_size": self.width // p.layers})
+            progress.add(ok=status == "done", tokens=tokens or 0)
+
+    async def _one(self, client, data, fh, idx: int, p: Plan):
+        if idx in data.errors:
+            return "failed", None, None, 0, data.errors[idx], None
+        ids, sid = data.read(fh, idx)
+        attempts, truncated_once, last = 0, False, ""
+        while attempts <= self.o.max_retries and not self.fatal:
+            await self._wait_for_server(client)
+            if self.fatal:
+                break
+            attempts += 1
+            try:
+                nbytes = await self._request(client, idx, ids, sid, p)
+                return "done", len(ids), nbytes, attempts, None, sid
+            except BadResponse as exc:
+                last = exc.reason
+                if not exc.retry:
+                    if truncated_once or "chunked prefill" not in exc.reason:
+                        break
+                    truncated_once = True  # deterministic: one retry is enough to be sure
+            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                last = _http_reason(exc)
+                if isinstance(exc, httpx.TransportError):
+                    attempts -= 1  # an unreachable server is not this sample's fault
+                    self.server_up.clear()
+                    continue
+            except DiskError as exc:
+                self.fatal = exc
+                break
+            await asyncio.sleep(min(30.0, 0.5 * 2 ** (attempts - 1)))
+        return "failed", len(ids), None, attempts, last[:500], sid
+
+    async def _request(self, client, idx: int, ids: list[int], sid, p: Plan) -> int:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_hidden_states": True}
+        if p.topk:
+            body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=p.topk)
+        r = await client.post("/generate", json=body)
+        r.raise_for_status()
+        return await asyncio.to_thread(self._store, r.content, idx, ids, sid, p)
+
+    def _store(self, content: bytes, idx: int, ids: list[int], sid, p: Plan) -> int:
+        try:
+            answer = json.loads(content)
+            meta = answer["meta_info"]
+        except (ValueError, KeyError, TypeError):
+            raise BadResponse("the server's answer is not SGLang's /generate JSON") from None
+        rows = self._rows(meta, p)
+        width = check_rows(rows, seq=len(ids), layers=p.layers, width=self.width, chunk=p.chunk)
+        self.width = self.width or width
+        topk = topk_rows(meta, seq=len(ids), k=p.topk) if p.topk else None
+        tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=DTYPES[self.o.dtype], topk=topk)
+        metadata = {"model": p.model, "layer_ids": json.dumps(p.layer_ids), "layer_convention": LAYER_CONVENTION,
+                    "final_layer": "present" if p.final_present else "absent", "id": "" if sid is None else sid}
+        try:
+            return write_atomic(sample_path(self.o.out, idx), encode(tensors, metadata))
+        except OSError as exc:
+            if exc.errno in DISK_ERRNOS:
+                raise DiskError(f"cannot write {self.o.out / 'hidden_states'}: {exc.strerror}; free space or fix "
+                                "permissions, then run the same command to resume") from None
+            raise
+        finally:
+            self._drop_dump(meta)
+
+    def _rows(self, meta: dict, p: Plan) -> list:
+        if self.o.mode != "dump":
+            return prefill_rows(meta)
+        from safetensors.torch import load_file
+
+        path = meta.get(self.o.dump_field)
+        if not isinstance(path, str):
+            raise BadResponse(f"dump mode: meta_info.{self.o.dump_field} missing")
+        try:
+            hs = load_file(path)["hidden_states"]
+        except (OSError, KeyError, Exception) as exc:  # noqa: BLE001 - any unreadable dump is a bad answer
+            raise BadResponse(f"dump file {path} unreadable ({type(exc).__name__})") from None
+        return hs.reshape(hs.shape[0], -1).float().tolist()
+
+    def _drop_dump(self, meta: dict) -> None:
+        path = meta.get(self.o.dump_field) if self.o.mode == "dump" else None
+        if isinstance(path, str):
+            Path(path).unlink(missing_ok=True)
+
+    async def _wait_for_server(self, client) -> None:
+        if self.server_up.is_set():
+            return
+        deadline = time.monotonic() + self.o.server_wait_s
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            try:
+                if (await client.get("/health", timeout=5.0)).status_code == 200:
+                    self.server_up.set()
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(1.0)
+        if not self.stopping.is_set():
+            self.fatal = UserError(f"server {self.o.server} unreachable for {self.o.server_wait_s:.0f} s; "
+                                   "the manifest is consistent — restart the server and rerun to resume")
+
+
+def _http_reason(exc: Exception) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"server answered HTTP {exc.response.status_code}: {exc.response.text[:200]}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def extract(opts: Options) -> int:
+    """Run an extraction to its end (or a requested stop)."""
+    if opts.dtype not in DTYPES:
+        raise UserError(f"--dtype {opts.dtype}: choose one of {', '.join(DTYPES)}")
+    if not Path(opts.data).is_file():
+        raise UserError(f"--data {opts.data}: no such file")
+    return asyncio.run(Extractor(opts).run())
