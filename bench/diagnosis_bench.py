@@ -1,0 +1,81 @@
+"""Diagnosis on simulated traces: detection latency, false alarms, ETA error side by side."""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.diagnosis import Diagnoser
+from pipeline.etabench import eta_errors
+from pipeline.simtrace import Scenario, simulate, standard_scenarios
+
+SEEDS = range(5)
+
+
+def _score(sc: Scenario) -> dict:
+    alarms, latencies, verdict_at_end = 0, [], set()
+    for seed in SEEDS:
+        trace = simulate(Scenario(**{**sc.__dict__, "seed": seed}))
+        d = Diagnoser(stage=sc.stage)
+        t0 = trace.observations[0]["t"] - sc.tick_s
+        vs = [d.feed(o) for o in trace.observations]
+        fault = trace.fault_at_s
+        bad = [v for v in vs if v.verdict in ("stalled", "dead")]
+        if fault is None and sc.exit0_at_fraction is None:
+            alarms += len(bad)
+        elif bad:
+            if sc.stall_at_s is not None:
+                start = bad[0].last_progress_at or t0
+            elif fault is not None:
+                start = t0 + fault
+            else:  # exit 0 early: from the last observation before the exit
+                start = vs[vs.index(bad[0]) - 1].t
+            latencies.append(bad[0].t - start)
+        verdict_at_end.add(vs[-1].verdict)
+    return {"alarms": alarms, "latencies": latencies, "end": "/".join(sorted(verdict_at_end))}
+
+
+def run(*, full: bool = True) -> list[str]:
+    lines = ["## Diagnosis on simulated traces (issue 3)", "",
+             f"Each scenario simulated with {len(SEEDS)} seeds, 3,000 samples, 10 s ticks, GPUs idle between requests "
+             "(as in the incident). Per-sample cost is a + b·tokens + c·tokens² with lognormal noise: the quadratic "
+             "term is deliberately outside the ETA model's linear form. Latency for stalls is measured from the last "
+             "progress; for crashes and early exits from the fault.", "",
+             "| scenario | false alarms (stalled/dead on a healthy run) | detection latency | final verdict |",
+             "|---|---|---|---|"]
+    for sc in standard_scenarios():
+        r = _score(sc)
+        lat = (f"{min(r['latencies']):.0f}–{max(r['latencies']):.0f} s" if r["latencies"] else "—")
+        lines.append(f"| {sc.name} | {r['alarms']} | {lat} | {r['end']} |")
+    slow = standard_scenarios()[4]
+    detections = []
+    for seed in SEEDS:
+        d = Diagnoser(stage="extract")
+        trace = simulate(Scenario(**{**slow.__dict__, "seed": seed}))
+        t0 = trace.observations[0]["t"] - slow.tick_s
+        hit = next((v for v in (d.feed(o) for o in trace.observations) if v.verdict == "slow"), None)
+        detections.append(hit.t - t0 - slow.slow_from_s if hit else float("inf"))
+    lines += ["", f"Slow disk (5× slower from t = {slow.slow_from_s:.0f} s): reported `slow` after "
+              f"{min(detections):.0f}–{max(detections):.0f} s (target ≤ 900 s).", ""]
+    lines += ["### ETA error", "", "Relative error |estimate − truth| / truth at 10/25/50/75 % progress, 6,000 samples, "
+              "mean over 3 seeds (worst seed in brackets). Targets: sorted ≤ 15 %, shuffled ≤ 5 %.", "",
+              "| workload | estimator | 10 % | 25 % | 50 % | 75 % |", "|---|---|---|---|---|---|"]
+    for sort in (True, False):
+        per = {}
+        for seed in range(3):
+            for name, cps in eta_errors(simulate(Scenario("eta", samples=6000, sort_by_length=sort, seed=seed))).items():
+                for cp, err in cps.items():
+                    per.setdefault(name, {}).setdefault(cp, []).append(err)
+        for name, cps in per.items():
+            cells = []
+            for cp in (10, 25, 50, 75):
+                errs = [e for e in cps.get(cp, []) if e is not None]
+                cells.append(f"{100 * sum(errs) / len(errs):.1f} % ({100 * max(errs):.1f})" if errs else "suppressed")
+            lines.append(f"| {'sorted by length' if sort else 'shuffled'} | {name} | " + " | ".join(cells) + " |")
+    trace = simulate(Scenario("10h", samples=37312))
+    t = time.perf_counter()
+    d = Diagnoser(stage="extract")
+    for o in trace.observations:
+        d.feed(o)
+    lines += ["", f"Replay speed: a {len(trace.observations):,}-tick trace (about {len(trace.observations) / 360:.1f} h "
+              f"at 10 s ticks) diagnosed in {time.perf_counter() - t:.2f} s.", ""]
+    return lines
