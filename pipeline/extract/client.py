@@ -61,16 +61,33 @@ class Options:
     timeout_s: float = 600.0
 
 
+STORE_WORKERS = 4
+
+
+@dataclass
+class _Job:
+    """One sample on its way through requesting and storing."""
+
+    idx: int
+    ids: list[int]
+    sid: str | None
+    attempts: int = 0
+    truncated_once: bool = False
+    last_error: str = ""
+
+
 class Extractor:
     """One extraction run over a dataset."""
 
-    def __init__(self, opts: Options, *, log=sys.stderr) -> None:
+    def __init__(self, opts: Options, *, log=sys.stderr, on_request=None) -> None:
         self.o, self.log = opts, log
+        self.on_request = on_request  # called with (+1 | -1, monotonic time) around each request
         self.stopping = asyncio.Event()
         self.server_up = asyncio.Event()
         self.server_up.set()
         self.width: int | None = None
         self.fatal: Exception | None = None
+        self._meta_cache: set[str] = set()
 
     # --- setup --------------------------------------------------------------------
     def prepare(self) -> tuple[ds.Dataset, Plan, Manifest, list[int]]:
@@ -111,92 +128,140 @@ class Extractor:
 
     # --- the run --------------------------------------------------------------------
     async def run(self) -> int:
+        """Request workers keep `concurrency` requests outstanding; store workers decode, validate
+        and write in threads, so storage latency never holds a request slot."""
         data, p, manifest, todo = self.prepare()
         if "hidden_size" in manifest.meta():
             self.width = int(manifest.meta()["hidden_size"]) * p.layers
-        progress = ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
-                                tokens_total=data.tokens_total)
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in todo:
-            queue.put_nowait(i)
-        limits = httpx.Limits(max_connections=self.o.concurrency, max_keepalive_connections=self.o.concurrency)
+        self.data, self.plan, self.manifest = data, p, manifest
+        self.progress = ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
+                                     tokens_total=data.tokens_total)
+        self.jobs: asyncio.Queue[_Job] = asyncio.Queue()
+        self.answers: asyncio.Queue[tuple[_Job, bytes]] = asyncio.Queue(maxsize=2 * self.o.concurrency)
+        self.remaining, self.inflight, self.storing = len(todo), 0, 0
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
+        limits = httpx.Limits(max_connections=self.o.concurrency, max_keepalive_connections=self.o.concurrency)
         with open(self.o.data, "rb") as fh:
             async with httpx.AsyncClient(base_url=self.o.server, timeout=self.o.timeout_s, limits=limits) as client:
-                workers = [asyncio.create_task(self._worker(client, queue, data, fh, p, manifest, progress))
-                           for _ in range(self.o.concurrency)]
-                await asyncio.gather(*workers)
+                tasks = [asyncio.create_task(self._feed(fh, todo))]
+                tasks += [asyncio.create_task(self._requester(client)) for _ in range(self.o.concurrency)]
+                tasks += [asyncio.create_task(self._storer()) for _ in range(STORE_WORKERS)]
+                while self.remaining and not (self._ending() and not self.inflight and not self.storing
+                                              and self.answers.empty()):
+                    await asyncio.sleep(0.05)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         manifest.close()
-        progress.final()
-        if isinstance(self.fatal, DiskError):
-            raise UserError(str(self.fatal))
+        self.progress.final()
         if self.fatal:
             raise UserError(str(self.fatal))
         if self.stopping.is_set():
             self.say("stopped on request; the manifest is consistent — run the same command to resume")
         return 0
 
+    def _ending(self) -> bool:
+        return self.stopping.is_set() or self.fatal is not None
+
     def _stop(self) -> None:
         if not self.stopping.is_set():
             self.say("stop requested: finishing the samples in flight, taking no new ones")
         self.stopping.set()
 
-    async def _worker(self, client, queue, data, fh, p: Plan, manifest: Manifest, progress: ProgressLine) -> None:
-        while not self.stopping.is_set() and not self.fatal:
-            try:
-                idx = queue.get_nowait()
-            except asyncio.QueueEmpty:
+    async def _feed(self, fh, todo: list[int]) -> None:
+        """Read data lines lazily, keeping a short queue ahead of the requesters."""
+        for idx in todo:
+            while self.jobs.qsize() >= 2 * self.o.concurrency and not self._ending():
+                await asyncio.sleep(0.005)
+            if self._ending():
                 return
-            status, tokens, nbytes, attempts, error, sid = await self._one(client, data, fh, idx, p)
-            if self.fatal:
-                return
-            manifest.record(idx=idx, sample_id=sid, status=status, tokens=tokens, nbytes=nbytes, attempts=attempts,
-                            error=error, now=time.time())
-            if status == "done" and self.width and "hidden_size" not in manifest.meta():
-                manifest.set_meta({"hidden_size": self.width // p.layers})
-            progress.add(ok=status == "done", tokens=tokens or 0)
+            if idx in self.data.errors:
+                self._finish(_Job(idx, [], None), "failed", error=self.data.errors[idx])
+                continue
+            ids, sid = self.data.read(fh, idx)
+            self.jobs.put_nowait(_Job(idx, ids, sid))
 
-    async def _one(self, client, data, fh, idx: int, p: Plan):
-        if idx in data.errors:
-            return "failed", None, None, 0, data.errors[idx], None
-        ids, sid = data.read(fh, idx)
-        attempts, truncated_once, last = 0, False, ""
-        while attempts <= self.o.max_retries and not self.fatal:
+    async def _requester(self, client) -> None:
+        while True:
+            job = await self.jobs.get()
+            if self._ending():
+                continue  # abandoned: not recorded, so it is extracted on resume
             await self._wait_for_server(client)
-            if self.fatal:
-                break
-            attempts += 1
+            if self._ending():
+                continue
+            job.attempts += 1
+            self.inflight += 1
             try:
-                nbytes = await self._request(client, idx, ids, sid, p)
-                return "done", len(ids), nbytes, attempts, None, sid
+                content = await self._send(client, job)
+            except httpx.TransportError as exc:
+                job.attempts -= 1  # an unreachable server is not this sample's fault
+                job.last_error = _http_reason(exc)
+                self.server_up.clear()
+                self.jobs.put_nowait(job)
+                continue
+            except httpx.HTTPStatusError as exc:
+                self._retry(job, _http_reason(exc), retryable=True)
+                continue
+            finally:
+                self.inflight -= 1
+            self.storing += 1
+            await self.answers.put((job, content))
+
+    async def _send(self, client, job: _Job) -> bytes:
+        body = {"input_ids": job.ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_hidden_states": True}
+        if self.plan.topk:
+            body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=self.plan.topk)
+        if self.on_request:
+            self.on_request(+1, time.monotonic())
+        try:
+            r = await client.post("/generate", json=body)
+        finally:
+            if self.on_request:
+                self.on_request(-1, time.monotonic())
+        r.raise_for_status()
+        return r.content
+
+    async def _storer(self) -> None:
+        while True:
+            job, content = await self.answers.get()
+            try:
+                nbytes = await asyncio.to_thread(self._store, content, job.idx, job.ids, job.sid, self.plan)
+                self._finish(job, "done", nbytes=nbytes)
             except BadResponse as exc:
-                last = exc.reason
-                if not exc.retry:
-                    if truncated_once or "chunked prefill" not in exc.reason:
-                        break
-                    truncated_once = True  # deterministic: one retry is enough to be sure
-            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
-                last = _http_reason(exc)
-                if isinstance(exc, httpx.TransportError):
-                    attempts -= 1  # an unreachable server is not this sample's fault
-                    self.server_up.clear()
-                    continue
+                self._retry(job, exc.reason, retryable=exc.retry)
             except DiskError as exc:
                 self.fatal = exc
-                break
-            await asyncio.sleep(min(30.0, 0.5 * 2 ** (attempts - 1)))
-        return "failed", len(ids), None, attempts, last[:500], sid
+            finally:
+                self.storing -= 1
 
-    async def _request(self, client, idx: int, ids: list[int], sid, p: Plan) -> int:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                "return_hidden_states": True}
-        if p.topk:
-            body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=p.topk)
-        r = await client.post("/generate", json=body)
-        r.raise_for_status()
-        return await asyncio.to_thread(self._store, r.content, idx, ids, sid, p)
+    def _retry(self, job: _Job, reason: str, *, retryable: bool) -> None:
+        job.last_error = reason
+        if not retryable:
+            # Chunked-prefill truncation is deterministic: one retry confirms it.
+            if job.truncated_once or "chunked prefill" not in reason:
+                return self._finish(job, "failed", error=reason)
+            job.truncated_once = True
+        if job.attempts > self.o.max_retries:
+            return self._finish(job, "failed", error=reason)
+
+        async def later() -> None:
+            await asyncio.sleep(min(30.0, 0.5 * 2 ** (job.attempts - 1)))
+            self.jobs.put_nowait(job)
+
+        asyncio.get_running_loop().create_task(later())
+
+    def _finish(self, job: _Job, status: str, *, nbytes: int | None = None, error: str | None = None) -> None:
+        tokens = len(job.ids) if job.ids else None
+        self.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
+                             attempts=job.attempts, error=None if error is None else error[:500], now=time.time())
+        if status == "done" and self.width and "hidden_size" not in self._meta_cache:
+            self.manifest.set_meta({"hidden_size": self.width // self.plan.layers})
+            self._meta_cache.add("hidden_size")
+        self.remaining -= 1
+        self.progress.add(ok=status == "done", tokens=tokens or 0)
 
     def _store(self, content: bytes, idx: int, ids: list[int], sid, p: Plan) -> int:
         try:

@@ -1,0 +1,255 @@
+"""Extraction against the toy server over real HTTP on loopback."""
+
+from __future__ import annotations
+
+import errno
+import http.server
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, eagle3, wait_for
+from tests.toy import ToyServer, write_dataset
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    server = ToyServer()
+    yield server
+    server.stop()
+
+
+def manifest_rows(out: Path) -> dict[int, tuple]:
+    conn = sqlite3.connect(out / "manifest.sqlite")
+    rows = {r[0]: r[1:] for r in conn.execute("SELECT idx, status, tokens, attempts, error FROM samples")}
+    conn.close()
+    return rows
+
+
+def assert_complete(out: Path, samples: list) -> None:
+    """Every good sample done exactly once with a valid file; malformed ones failed; nothing else on disk."""
+    rows = manifest_rows(out)
+    assert sorted(rows) == list(range(len(samples)))
+    files = sorted(p.name for p in (out / "hidden_states").iterdir())
+    good = [i for i, s in enumerate(samples) if s is not None]
+    assert files == sorted(f"hs_{i}.safetensors" for i in good), "temp, partial or extra files on disk"
+    for i, ids in enumerate(samples):
+        if ids is None:
+            assert rows[i][0] == "failed" and f"data line {i + 1}" in rows[i][3]
+            continue
+        assert rows[i][0] == "done" and rows[i][1] == len(ids)
+        t = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+        assert t["token_ids"].tolist() == ids
+        assert tuple(t["hidden_states"].shape) == (len(ids), 4, 64)
+
+
+def run_extract(url, data, out, *extra, timeout=150):
+    return eagle3("extract", "--server", url, "--data", str(data), "--out", str(out), *extra, timeout=timeout)
+
+
+def test_few_hundred_samples_load_and_match(toy, tmp_path):
+    samples = write_dataset(tmp_path / "d.jsonl", 300, bad_lines=(7,))
+    res = run_extract(toy.url, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", "8")
+    assert res.returncode == 0, res.stderr
+    assert "version 0.5.23-toy, 4 layers per row (3 aux + final)" in res.stderr
+    assert_complete(tmp_path / "out", samples)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "out" / "hidden_states" / "hs_0.safetensors"), "pt") as f:
+        m = f.metadata()
+    assert m["final_layer"] == "present" and json.loads(m["layer_ids"]) == [2, 4, 5] and m["id"] == "s0"
+    assert eagle3("verify", str(tmp_path / "out"), "--sample", "50").returncode == 0
+
+
+def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path):
+    server = ToyServer("--latency-ms", "20")
+    try:
+        samples = write_dataset(tmp_path / "d.jsonl", 200, seed=1)
+        out = tmp_path / "out"
+        proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", server.url, "--data",
+                                 str(tmp_path / "d.jsonl"), "--out", str(out), "--concurrency", "4"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 40, timeout=60,
+                 what="40 samples")
+        proc.kill()
+        proc.wait()
+        partial = len(manifest_rows(out))
+        assert partial < 200
+        res = run_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4")
+        assert res.returncode == 0, res.stderr
+        assert f"resuming: {partial:,} of 200" in res.stderr or "resuming:" in res.stderr
+        assert_complete(out, samples)
+    finally:
+        server.stop()
+
+
+def test_server_crash_and_restart_mid_run(tmp_path):
+    server = ToyServer("--crash-after", "60")
+    samples = write_dataset(tmp_path / "d.jsonl", 150, seed=2)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", server.url, "--data",
+                             str(tmp_path / "d.jsonl"), "--out", str(out), "--concurrency", "4", "--server-wait", "60"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        server.proc.wait(timeout=60)  # it crashes on request 61
+        time.sleep(1.0)
+        server.stop()
+        restarted = ToyServer(port=server.port)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert_complete(out, samples)
+        assert max(r[2] for r in manifest_rows(out).values()) <= 2, "an unreachable server must not burn retries"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        restarted.stop() if "restarted" in locals() else server.stop()
+
+
+def test_truncation_is_rejected_with_its_cause(tmp_path):
+    server = ToyServer("--chunked-prefill-size", "100")
+    try:
+        samples = write_dataset(tmp_path / "d.jsonl", 20, seed=3, lo=50, hi=160)
+        res = run_extract(server.url, tmp_path / "d.jsonl", tmp_path / "out")
+        assert res.returncode == 0, res.stderr
+        assert "--chunked-prefill-size 100 is below the longest sample" in res.stderr
+        rows = manifest_rows(tmp_path / "out")
+        for i, ids in enumerate(samples):
+            if len(ids) > 100:
+                assert rows[i][0] == "failed" and rows[i][2] == 2
+                assert f"--chunked-prefill-size ≥ {len(ids)} (now 100)" in rows[i][3]
+                assert not (tmp_path / "out" / "hidden_states" / f"hs_{i}.safetensors").exists()
+            else:
+                assert rows[i][0] == "done"
+    finally:
+        server.stop()
+
+
+def test_garbage_answers_are_retried_then_failed(tmp_path):
+    server = ToyServer("--wrong-rows-every", "1")
+    try:
+        write_dataset(tmp_path / "d.jsonl", 3, seed=4)
+        res = run_extract(server.url, tmp_path / "d.jsonl", tmp_path / "out", "--max-retries", "2")
+        assert res.returncode == 0
+        rows = manifest_rows(tmp_path / "out")
+        assert all(r[0] == "failed" and r[2] == 3 and "hidden-state rows for" in r[3] for r in rows.values())
+    finally:
+        server.stop()
+
+
+def test_concurrency_is_held(tmp_path):
+    server = ToyServer("--latency-ms", "100", "--fixed-reply")
+    try:
+        write_dataset(tmp_path / "d.jsonl", 64, seed=5)
+        assert run_extract(server.url, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", "8").returncode == 0
+        assert server.metric("toy:max_running_reqs") == 8
+    finally:
+        server.stop()
+
+
+class _InfoHandler(http.server.BaseHTTPRequestHandler):
+    info: dict = {}
+
+    def do_GET(self):  # noqa: N802
+        body = json.dumps(_InfoHandler.info).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.mark.parametrize(("info", "expected"), [
+    ({"version": "0.5.23"}, ["--enable-return-hidden-states", "only the final layer"]),
+    ({"version": "0.5.23", "enable_return_hidden_states": True}, ["only the final layer"]),
+])
+def test_preflight_refuses_before_any_sample(tmp_path, info, expected):
+    _InfoHandler.info = info
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _InfoHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        write_dataset(tmp_path / "d.jsonl", 3)
+        res = run_extract(f"http://127.0.0.1:{srv.server_address[1]}", tmp_path / "d.jsonl", tmp_path / "out")
+        assert res.returncode == 2
+        assert res.stderr.startswith("eagle3: server refused by preflight:")
+        for phrase in expected:
+            assert phrase in res.stderr
+        assert not (tmp_path / "out").exists()
+        assert "Traceback" not in res.stderr
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_disk_full_injected_is_clear_and_resumable(toy, tmp_path, monkeypatch):
+    from pipeline.errors import UserError
+    from pipeline.extract import writer
+    from pipeline.extract.client import Options, extract
+
+    samples = write_dataset(tmp_path / "d.jsonl", 40, seed=6)
+    real_write, calls = os.write, {"n": 0}
+
+    def full(fd, data):
+        calls["n"] += 1
+        if calls["n"] > 15:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(writer.os, "write", full)
+    opts = Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=2)
+    with pytest.raises(UserError, match="No space left on device; free space"):
+        extract(opts)
+    rows = manifest_rows(tmp_path / "out")
+    assert 0 < len(rows) < 40 and all(r[0] == "done" for r in rows.values())
+    assert not [p for p in (tmp_path / "out" / "hidden_states").iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.setattr(writer.os, "write", real_write)  # space freed
+    assert extract(opts) == 0
+    assert_complete(tmp_path / "out", samples)
+
+
+def test_disk_full_on_a_real_small_filesystem(toy, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    try:
+        write_dataset(tmp_path / "d.jsonl", 60, seed=7, lo=150, hi=200)
+        res = run_extract(toy.url, tmp_path / "d.jsonl", mnt / "out", "--dtype", "fp32")
+        assert res.returncode == 2 and "No space left on device; free space" in res.stderr
+        assert "Traceback" not in res.stderr
+        rows = manifest_rows(mnt / "out")
+        files = list((mnt / "out" / "hidden_states").iterdir())
+        assert all(r[0] == "done" for r in rows.values()) and len(files) == len(rows)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_sigterm_finishes_cleanly_and_resumes(tmp_path):
+    server = ToyServer("--latency-ms", "30")
+    try:
+        samples = write_dataset(tmp_path / "d.jsonl", 120, seed=8)
+        out = tmp_path / "out"
+        proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", server.url, "--data",
+                                 str(tmp_path / "d.jsonl"), "--out", str(out), "--concurrency", "4"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 20, timeout=60,
+                 what="20 samples")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopped on request" in err
+        assert len(manifest_rows(out)) < 120
+        assert run_extract(server.url, tmp_path / "d.jsonl", out).returncode == 0
+        assert_complete(out, samples)
+    finally:
+        server.stop()
