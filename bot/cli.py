@@ -210,6 +210,12 @@ def cmd_toy_server(args) -> int:
     return toy_serve(args)
 
 
+@command("train", "the EAGLE-3 draft trainer itself (run it under torchrun); same flags as python -m pipeline.train")
+def cmd_train(args) -> int:
+    from pipeline.train.loop import main as train_main
+    return train_main(args.train_args)
+
+
 @command("demo", "a short tour of what exists so far, in a temporary workspace")
 def cmd_demo(args) -> int:
     from bot.demo import run_demo
@@ -257,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p["verify"].add_argument("--sample", type=int, default=200, help="files to open (default 200)")
     from pipeline.toy_args import add_arguments
     add_arguments(p["toy-server"])
+    p["train"].add_argument("train_args", nargs=argparse.REMAINDER, help="--data OUT --out CKPT --steps N …")
     p["run-stage"].add_argument("--stage", required=True, choices=STAGE_NAMES)
     p["run-stage"].add_argument("--proc-id", required=True, type=int)
     return parser

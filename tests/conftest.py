@@ -94,3 +94,21 @@ def wait_for(predicate, *, timeout: float = 10.0, interval: float = 0.05, what: 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def toy_extraction(tmp_path_factory):
+    """300 samples extracted from the toy server (3 aux + final) and its LM head; shared by the session."""
+    from tests.toy import ToyServer, write_dataset
+
+    root = tmp_path_factory.mktemp("toy-extraction")
+    samples = write_dataset(root / "d.jsonl", 300, lo=32, hi=256, seed=42)
+    server = ToyServer()
+    try:
+        res = eagle3("extract", "--server", server.url, "--data", str(root / "d.jsonl"), "--out", str(root / "out"),
+                     "--concurrency", "8", timeout=300)
+        assert res.returncode == 0, res.stderr
+    finally:
+        server.stop()
+    assert eagle3("toy-server", "--export-lm-head", str(root / "lm_head.safetensors")).returncode == 0
+    return {"out": root / "out", "lm_head": root / "lm_head.safetensors", "samples": samples, "data": root / "d.jsonl"}

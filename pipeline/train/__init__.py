@@ -1,0 +1,1 @@
+"""The EAGLE-3 draft-head trainer (`python -m pipeline.train`, run under torchrun)."""

@@ -1,0 +1,7 @@
+"""`python -m pipeline.train`."""
+
+import sys
+
+from pipeline.train.loop import main
+
+sys.exit(main())

@@ -1,0 +1,59 @@
+"""Checkpoints: weights as safetensors, plus optimizer, scheduler and per-rank RNG state.
+
+CKPT_DIR/checkpoints/step_N/ holds one checkpoint; CKPT_DIR/latest names the newest
+complete one and is replaced atomically only after every rank has written its part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step}"
+
+
+def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier) -> None:
+    """Every rank writes its RNG state; rank 0 the rest; then `latest` moves."""
+    d = step_dir(out, step)
+    d.mkdir(parents=True, exist_ok=True)
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / f"rng_rank{rank}.pt")
+    if rank == 0:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(d / "model.safetensors"))
+        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, d / "optim.pt")
+        (d / "state.json").write_text(json.dumps({"step": step}))
+    barrier()
+    if rank == 0:
+        tmp = out / ".latest.tmp"
+        tmp.write_text(f"step_{step}\n")
+        os.replace(tmp, out / "latest")
+    barrier()
+
+
+def latest_step(out: Path) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    try:
+        return int((out / "latest").read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        return None
+
+
+def load(out: Path, *, step: int, model, opt, sched, rank: int) -> None:
+    """Restore a checkpoint written by `save`."""
+    d = step_dir(out, step)
+    model.load_state_dict(load_file(str(d / "model.safetensors")))
+    optim = torch.load(d / "optim.pt", weights_only=False)
+    opt.load_state_dict(optim["optimizer"])
+    sched.load_state_dict(optim["scheduler"])
+    rng_file = d / f"rng_rank{rank}.pt"
+    if rng_file.exists():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])

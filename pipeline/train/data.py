@@ -1,0 +1,159 @@
+"""Training data: the extraction output, checked before step 1, batched by a token budget.
+
+A missing or corrupt sample file is an error naming the file — never silently replaced
+by another sample (SpecForge trains on sample 0 when a file fails to load) — unless
+--skip-bad, which counts and reports them. The order of batches is a pure function
+of (seed, epoch), so a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pipeline.errors import UserError
+from pipeline.extract.writer import sample_path
+from pipeline.manifest import MANIFEST_NAME, open_readonly
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """One usable sample file and its length."""
+
+    idx: int
+    path: Path
+    tokens: int
+
+
+@dataclass
+class Corpus:
+    """The checked samples, split into train and validation, and the layout they share."""
+
+    train: list[SampleInfo]
+    val: list[SampleInfo]
+    layers: int  # 4: aux + final; 3: aux only (top-K targets stored)
+    hidden: int
+    topk: int
+    bad: list[str]
+
+
+def _expect(path: Path, name: str, shape, want) -> None:
+    if len(shape) != len(want) or any(w is not None and s != w for s, w in zip(shape, want, strict=False)):
+        raise UserError(f"{path}: tensor {name} has shape {list(shape)}, expected "
+                        f"[{', '.join('seq' if w is None else str(w) for w in want)}] (data from another model or layout?)")
+
+
+def _inspect(path: Path, hidden: int | None, layers: int | None) -> tuple[int, int, int, int]:
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        for key in ("token_ids", "hidden_states"):
+            if key not in keys:
+                raise UserError(f"{path}: tensor {key} missing; expected token_ids [seq] and hidden_states [seq, L, H]")
+        seq = f.get_slice("token_ids").get_shape()
+        hs = f.get_slice("hidden_states").get_shape()
+        _expect(path, "token_ids", seq, [None])
+        _expect(path, "hidden_states", hs, [seq[0], layers, hidden])
+        if hs[1] not in (3, 4):
+            raise UserError(f"{path}: hidden_states has {hs[1]} layers, expected 4 (3 aux + final) or 3 (aux only)")
+        topk = 0
+        if hs[1] == 3:
+            if "target_topk_ids" not in keys or "target_topk_logprobs" not in keys:
+                raise UserError(f"{path}: no final layer and no target_topk_ids/target_topk_logprobs: nothing to train against")
+            topk = f.get_slice("target_topk_ids").get_shape()[1]
+            _expect(path, "target_topk_logprobs", f.get_slice("target_topk_logprobs").get_shape(), [seq[0], topk])
+    return seq[0], hs[1], hs[2], topk
+
+
+def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> Corpus:
+    """Read the manifest, check every done file's header, split deterministically by index."""
+    mpath = Path(data_dir) / MANIFEST_NAME
+    if not mpath.exists():
+        raise UserError(f"{mpath}: no manifest; --data must be an extraction output directory")
+    try:
+        conn = open_readonly(mpath)
+        done = [r[0] for r in conn.execute("SELECT idx FROM samples WHERE status = 'done' ORDER BY idx")]
+        conn.close()
+    except sqlite3.Error as exc:
+        raise UserError(f"{mpath}: unreadable manifest ({exc})") from None
+    samples, bad, hidden, layers, topk = [], [], None, None, 0
+    for idx in done:
+        path = sample_path(Path(data_dir), idx)
+        try:
+            seq, layers, hidden, topk = _inspect(path, hidden, layers)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - missing or corrupt file
+            problem = f"{path}: unreadable ({type(exc).__name__}: {exc})"
+            if not skip_bad:
+                raise UserError(problem + "; fix or re-extract it, or pass --skip-bad to leave it out") from None
+            bad.append(problem)
+            continue
+        if seq >= 2:
+            samples.append(SampleInfo(idx, path, seq))
+    if not samples:
+        raise UserError(f"{data_dir}: no usable samples")
+    val = [s for s in samples if random.Random(s.idx).random() < val_share] or samples[:1]
+    val_ids = {s.idx for s in val}
+    return Corpus([s for s in samples if s.idx not in val_ids], val, layers, hidden, topk, bad)
+
+
+def batches(samples: list[SampleInfo], *, budget: int, seed: int, epoch: int) -> list[list[SampleInfo]]:
+    """Length-aware batches under a token budget (padded size), in an order fixed by (seed, epoch)."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = sorted(samples, key=lambda s: (s.tokens, rng.random()))
+    out, cur = [], []
+    for s in order:
+        if cur and (len(cur) + 1) * max(s.tokens, cur[-1].tokens) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def load_batch(batch: list[SampleInfo], *, bad: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Pad a batch: token_ids [B, T], aux [B, T, 3H], final [B, T, H] or top-K, mask [B, T]."""
+    from safetensors.torch import load_file
+
+    loaded = []
+    for s in batch:
+        try:
+            loaded.append(load_file(str(s.path)))
+        except Exception as exc:  # noqa: BLE001
+            if bad is None:
+                raise UserError(f"{s.path}: unreadable during training ({type(exc).__name__}); "
+                                "re-extract it or pass --skip-bad") from None
+            bad.append(f"{s.path}: {type(exc).__name__}")
+    if not loaded:
+        raise UserError("a whole batch was unreadable")
+    T = max(t["token_ids"].shape[0] for t in loaded)
+    B = len(loaded)
+    hs0 = loaded[0]["hidden_states"]
+    H = hs0.shape[2]
+    out = {"token_ids": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T, dtype=torch.bool),
+           "aux": torch.zeros(B, T, 3 * H)}
+    if hs0.shape[1] == 4:
+        out["final"] = torch.zeros(B, T, H)
+    else:
+        k = loaded[0]["target_topk_ids"].shape[1]
+        out["topk_ids"] = torch.zeros(B, T, k, dtype=torch.long)
+        out["topk_logprobs"] = torch.full((B, T, k), -1e4)
+    for b, t in enumerate(loaded):
+        n = t["token_ids"].shape[0]
+        hs = t["hidden_states"].float()
+        out["token_ids"][b, :n] = t["token_ids"]
+        out["mask"][b, :n] = True
+        out["aux"][b, :n] = hs[:, :3].reshape(n, 3 * H)
+        if "final" in out:
+            out["final"][b, :n] = hs[:, 3]
+        else:
+            out["topk_ids"][b, :n] = t["target_topk_ids"]
+            out["topk_logprobs"][b, :n] = t["target_topk_logprobs"].float()
+    return out

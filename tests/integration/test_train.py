@@ -1,0 +1,149 @@
+"""The trainer under real torchrun (2 CPU processes, gloo on loopback), and its bad-input paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.train.loop import main as train_main
+from tests.conftest import ROOT, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline.train"]
+ENV = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+
+
+def torchrun(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([*TORCHRUN, *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, **kw)
+
+
+def progress(ckpt: Path) -> list[dict]:
+    path = ckpt / "progress.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_torchrun_80_steps_learns_the_target(toy_extraction, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = torchrun("--data", str(toy_extraction["out"]), "--lm-head", str(toy_extraction["lm_head"]),
+                    "--out", str(ckpt), "--steps", "80")
+    out = proc.communicate(timeout=280)[0]
+    assert proc.returncode == 0, out
+    assert "target from the final hidden state through the frozen LM head" in out
+    lines = progress(ckpt)
+    assert [r["step"] for r in lines] == list(range(1, 81))
+    assert all(set(r) == {"step", "total_steps", "loss", "kl", "tokens_per_s"} for r in lines)
+    assert lines[-1]["kl"] <= 0.5 * lines[0]["kl"], (lines[0], lines[-1])
+    val = json.loads((ckpt / "validation.jsonl").read_text().splitlines()[-1])
+    assert val["acc"][0] > val["baseline_top1"]
+    step = ckpt / "checkpoints" / "step_80"
+    assert {p.name for p in step.iterdir()} >= {"model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt"}
+    assert "fc.weight" in load_file(step / "model.safetensors")
+    assert (ckpt / "latest").read_text().strip() == "step_80"
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_matches_an_uninterrupted_run(toy_extraction, tmp_path):
+    common = ["--data", str(toy_extraction["out"]), "--lm-head", str(toy_extraction["lm_head"]), "--steps", "30"]
+    b = torchrun(*common, "--out", str(tmp_path / "b"))
+    wait_for(lambda: len(progress(tmp_path / "b")) >= 8, timeout=200, what="8 steps of run b")
+    os.killpg(b.pid, signal.SIGTERM)
+    out = b.communicate(timeout=120)[0]
+    assert "checkpoint saved at step" in out, out
+    saved = int((tmp_path / "b" / "latest").read_text().strip().removeprefix("step_"))
+    assert saved < 25
+    a = torchrun(*common, "--out", str(tmp_path / "a"))
+    assert a.communicate(timeout=280)[0] is not None and a.returncode == 0
+    resumed = torchrun(*common, "--out", str(tmp_path / "b"), "--resume")
+    assert resumed.communicate(timeout=280)[0] is not None and resumed.returncode == 0
+    la = {r["step"]: r["loss"] for r in progress(tmp_path / "a")}
+    lb = progress(tmp_path / "b")
+    assert [r["step"] for r in lb] == list(range(1, 31)), "steps must not repeat or skip across the resume"
+    for r in lb[saved: saved + 5]:
+        assert r["loss"] == pytest.approx(la[r["step"]], rel=1e-5), (r["step"], r["loss"], la[r["step"]])
+
+
+def copy_data(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_wrong_shape_stops_before_step_1_naming_file_and_tensor(toy_extraction, tmp_path, capsys):
+    data = copy_data(toy_extraction["out"], tmp_path / "data")
+    f = data / "hidden_states" / "hs_5.safetensors"
+    t = load_file(f)
+    save_file({"token_ids": t["token_ids"], "hidden_states": t["hidden_states"][:, :, :32].contiguous()}, f)
+    rc = train_main(["--data", str(data), "--lm-head", str(toy_extraction["lm_head"]), "--out", str(tmp_path / "c"),
+                     "--steps", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and "hs_5.safetensors: tensor hidden_states has shape" in err and "expected [" in err
+    assert not (tmp_path / "c" / "progress.jsonl").exists()
+
+
+def test_missing_file_is_an_error_unless_skip_bad(toy_extraction, tmp_path, capsys):
+    data = copy_data(toy_extraction["out"], tmp_path / "data")
+    (data / "hidden_states" / "hs_9.safetensors").unlink()
+    args = ["--data", str(data), "--lm-head", str(toy_extraction["lm_head"]), "--out", str(tmp_path / "c"), "--steps", "2"]
+    assert train_main(args) == 2
+    assert "hs_9.safetensors: unreadable" in capsys.readouterr().err
+    assert train_main([*args, "--skip-bad"]) == 0
+    assert "1 bad file(s) skipped" in capsys.readouterr().out
+
+
+def test_nan_stops_with_a_clear_error_reported_in_progress(toy_extraction, tmp_path, capsys):
+    data = copy_data(toy_extraction["out"], tmp_path / "data")
+    for f in (data / "hidden_states").iterdir():
+        t = load_file(f)
+        t["hidden_states"] = torch.full_like(t["hidden_states"], float("nan"))
+        save_file(t, f)
+    rc = train_main(["--data", str(data), "--lm-head", str(toy_extraction["lm_head"]), "--out", str(tmp_path / "c"),
+                     "--steps", "3"])
+    assert rc == 3
+    assert "training stopped: loss is nan at step 1" in capsys.readouterr().err
+    last = progress(tmp_path / "c")[-1]
+    assert last["loss"] is None and "nan" in last["error"]
+
+
+def test_final_layer_needs_lm_head(toy_extraction, tmp_path, capsys):
+    assert train_main(["--data", str(toy_extraction["out"]), "--out", str(tmp_path / "c"), "--steps", "1"]) == 2
+    assert "pass --lm-head" in capsys.readouterr().err
+
+
+def test_topk_targets_from_stock_server(tmp_path, capsys):
+    from tests.conftest import eagle3
+    from tests.toy import ToyServer, write_dataset
+
+    server = ToyServer("--stock")
+    try:
+        write_dataset(tmp_path / "d.jsonl", 40, lo=16, hi=64)
+        assert eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out",
+                      str(tmp_path / "out"), "--target-topk", "8").returncode == 0
+    finally:
+        server.stop()
+    rc = train_main(["--data", str(tmp_path / "out"), "--out", str(tmp_path / "c"), "--steps", "3", "--ttt", "2"])
+    assert rc == 0
+    assert "target from the stored top-8 logprobs" in capsys.readouterr().out
+    assert len(progress(tmp_path / "c")) == 3
+
+
+def test_lm_head_from_hf_directory(toy_extraction, tmp_path):
+    from pipeline.train.model import load_lm_head
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    w = load_file(toy_extraction["lm_head"])["lm_head.weight"]
+    save_file({"lm_head.weight": w, "other": torch.zeros(2)}, hf / "model-00002-of-00002.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    assert torch.equal(load_lm_head(str(hf)), w)
