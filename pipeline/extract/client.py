@@ -26,11 +26,10 @@ from pipeline.extract.progress_line import ProgressLine
 from pipeline.extract.response import BadResponse, check_rows, prefill_rows, topk_rows
 from pipeline.extract.writer import (
     DTYPES,
-    encode,
     remove_temp_files,
     sample_path,
     tensors_for,
-    write_atomic,
+    write_sample,
 )
 from pipeline.manifest import Manifest
 
@@ -277,7 +276,7 @@ class Extractor:
         metadata = {"model": p.model, "layer_ids": json.dumps(p.layer_ids), "layer_convention": LAYER_CONVENTION,
                     "final_layer": "present" if p.final_present else "absent", "id": "" if sid is None else sid}
         try:
-            return write_atomic(sample_path(self.o.out, idx), encode(tensors, metadata))
+            return write_sample(sample_path(self.o.out, idx), tensors, metadata)
         except OSError as exc:
             if exc.errno in DISK_ERRNOS:
                 raise DiskError(f"cannot write {self.o.out / 'hidden_states'}: {exc.strerror}; free space or fix "

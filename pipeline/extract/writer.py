@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import save_file
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
 
@@ -30,15 +32,25 @@ def tensors_for(*, token_ids: list[int], rows: list, layers: int, dtype: torch.d
     return out
 
 
-def write_atomic(path: Path, data: bytes) -> int:
-    """Write `data` to `path` atomically; on any error no file is left under either name."""
+def write_sample(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write a safetensors file atomically: temp name in the same directory, fsync, rename.
+
+    safetensors writes from its own buffers (no Python bytes copy of a 60 MB sample);
+    its I/O errors come back as OSError with the original errno, so a full disk is
+    recognised. On any error no file is left under either name.
+    """
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            save_file(tensors, str(tmp), metadata=metadata)
+        except Exception as exc:  # SafetensorError: "… (os error 28)"
+            found = _OS_ERROR.search(str(exc))
+            if not found:
+                raise
+            code = int(found.group(1))
+            raise OSError(code, os.strerror(code)) from None
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -46,12 +58,7 @@ def write_atomic(path: Path, data: bytes) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return len(data)
-
-
-def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """safetensors bytes with string metadata."""
-    return save(tensors, metadata=metadata)
+    return path.stat().st_size
 
 
 def remove_temp_files(directory: Path) -> int:
@@ -59,7 +66,7 @@ def remove_temp_files(directory: Path) -> int:
     n = 0
     if directory.is_dir():
         for p in directory.iterdir():
-            if p.name.startswith(".") and p.name.endswith(".tmp"):
+            if p.name.startswith(".") and (p.name.endswith(".tmp") or p.name.startswith(".tmp")):
                 p.unlink(missing_ok=True)
                 n += 1
     return n

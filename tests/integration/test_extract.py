@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import http.server
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -198,22 +196,22 @@ def test_disk_full_injected_is_clear_and_resumable(toy, tmp_path, monkeypatch):
     from pipeline.extract.client import Options, extract
 
     samples = write_dataset(tmp_path / "d.jsonl", 40, seed=6)
-    real_write, calls = os.write, {"n": 0}
+    real_save, calls = writer.save_file, {"n": 0}
 
-    def full(fd, data):
+    def full(tensors, path, metadata=None):
         calls["n"] += 1
-        if calls["n"] > 15:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
+        if calls["n"] > 15:  # exactly what safetensors raises on a full disk
+            raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(writer.os, "write", full)
+    monkeypatch.setattr(writer, "save_file", full)
     opts = Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=2)
     with pytest.raises(UserError, match="No space left on device; free space"):
         extract(opts)
     rows = manifest_rows(tmp_path / "out")
     assert 0 < len(rows) < 40 and all(r[0] == "done" for r in rows.values())
     assert not [p for p in (tmp_path / "out" / "hidden_states").iterdir() if p.name.endswith(".tmp")]
-    monkeypatch.setattr(writer.os, "write", real_write)  # space freed
+    monkeypatch.setattr(writer, "save_file", real_save)  # space freed
     assert extract(opts) == 0
     assert_complete(tmp_path / "out", samples)
 
