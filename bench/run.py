@@ -9,7 +9,7 @@ import time
 
 from bench.common import RESULTS, machine
 
-SECTIONS = ["bench.scanner", "bench.status_path", "bench.diagnosis_bench", "bench.extract_bench"]
+SECTIONS = ["bench.scanner", "bench.status_path", "bench.diagnosis_bench", "bench.extract_bench", "bench.train_bench"]
 
 
 def main() -> int:
