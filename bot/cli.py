@@ -33,13 +33,19 @@ def _controller(args):
     return Controller.open(args.config)
 
 
-@command("init", "write a commented production config template (never overwrites)")
+@command("init", "write a commented production config template, or --demo a runnable toy workspace")
 def cmd_init(args) -> int:
     from pipeline.templates import PRODUCTION_TEMPLATE
     target = Path(args.dir or ".") / DEFAULT_CONFIG_NAME
     if target.exists():
         raise UserError(f"{target}: already exists; not overwriting it (edit it, or init another directory)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    if args.demo:
+        from pipeline.demo_workspace import write_demo_workspace
+        write_demo_workspace(target.parent)
+        print(f"wrote a toy workspace in {target.parent}: eagle3 --config {target} start server; start extract; "
+              "autostart on; serve")
+        return 0
     target.write_text(PRODUCTION_TEMPLATE)
     print(f"wrote {target}; fill in the <PLACEHOLDERS>, then `eagle3 check-config {target}`")
     return 0
@@ -54,11 +60,15 @@ def cmd_check_config(args) -> int:
     return 0
 
 
-@command("start", "start a stage under a detached runner")
+@command("start", "start a stage under a detached runner (training only once extraction is verified complete)")
 def cmd_start(args) -> int:
+    from handlers.views import train_guard_text
+    from pipeline.controller import TrainGuardError
     ctl = _controller(args)
     try:
-        proc = ctl.start(args.stage)
+        proc = ctl.start(args.stage, force=args.force, by=_who())
+    except TrainGuardError as exc:
+        raise UserError(train_guard_text(exc.completion)) from None
     finally:
         ctl.close()
     if proc["pid"] is None:
@@ -67,6 +77,35 @@ def cmd_start(args) -> int:
     if proc["state"] != "running":
         print(f"{args.stage} has already ended ({proc['reason']}); see `eagle3 logs {args.stage}`")
     return 0
+
+
+@command("autostart", "on: train by itself once extraction is verified complete; off: cancel (until launch)")
+def cmd_autostart(args) -> int:
+    from handlers.views import autostart_text
+    ctl = _controller(args)
+    try:
+        result = ctl.autostart(args.state == "on", by=_who())
+    finally:
+        ctl.close()
+    print(autostart_text(args.state == "on", result))
+    return 0
+
+
+@command("remind", "check back later: a reminder with the status after 30m, 1h, … or at the extraction ETA")
+def cmd_remind(args) -> int:
+    from handlers.views import clock_time
+    ctl = _controller(args)
+    try:
+        r = ctl.remind(args.when, by=_who())
+    finally:
+        ctl.close()
+    note = "" if r["monitor_running"] else " (no monitor is running: start `eagle3 serve` so it is delivered)"
+    print(f"reminder set for {clock_time(r['due_at'])}{note}")
+    return 0
+
+
+def _who() -> str:
+    return f"cli:{os.environ.get('USER') or os.environ.get('LOGNAME') or os.getuid()}"
 
 
 @command("stop", "stop a stage (or --all): SIGTERM to its process group, grace, SIGKILL")
@@ -232,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = {name: sub.add_parser(name, parents=[common], help=text, description=text) for name, text in COMMANDS.items()}
     p["init"].add_argument("dir", nargs="?", help="directory to write eagle3.toml into (default: .)")
+    p["init"].add_argument("--demo", action="store_true", help="a runnable toy pipeline (toy server, extraction, CPU training)")
+    p["start"].add_argument("--force", action="store_true", help="start training although extraction is not verified complete (audited)")
+    p["autostart"].add_argument("state", choices=("on", "off"))
+    p["remind"].add_argument("when", help="30m, 1h, 90s … or eta")
     p["check-config"].add_argument("file", nargs="?", help="config to check (default: the usual lookup)")
     p["start"].add_argument("stage", choices=STAGE_NAMES)
     p["stop"].add_argument("stage", nargs="?", choices=STAGE_NAMES)

@@ -7,13 +7,13 @@ import sys
 import threading
 import time
 
-from handlers.views import verdict_event_text
+from handlers.views import event_text
 from pipeline.config import Workspace
 from pipeline.monitor import Monitor
 
 
 class ConsoleEvents:
-    """Prints new verdict events as they are recorded (the console transport)."""
+    """Prints new events (verdicts, handoff steps, restarts, reminders) as they are recorded."""
 
     def __init__(self, out=sys.stdout, *, since_t: float | None = None) -> None:
         self.out = out
@@ -23,8 +23,9 @@ class ConsoleEvents:
     def __call__(self, store, _results) -> None:
         for event in store.events(after_id=self.after_id):
             self.after_id = event["id"]
-            if event["kind"] == "verdict" and event["t"] >= self.since_t:  # older history: `eagle3 status`
-                print(verdict_event_text(event), file=self.out, flush=True)
+            line = event_text(event) if event["t"] >= self.since_t else None  # older history: `eagle3 status`
+            if line:
+                print(line, file=self.out, flush=True)
 
 
 def serve(ws: Workspace, *, max_ticks: int | None = None) -> int:

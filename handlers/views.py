@@ -44,6 +44,8 @@ def stage_line(name: str, st: dict) -> str:
 def status_text(status: dict) -> str:
     """The whole `eagle3 status` text."""
     lines = [f"run: {status['run'] or 'none open'}"]
+    if status.get("autostart", "off") != "off":
+        lines.append(f"auto-start: {status['autostart']} — {status.get('autostart_reason')}")
     if status.get("monitor") == "not running":
         lines.append("monitor: not running (start `eagle3 serve`); running stages were sampled just now")
     for name, st in status["stages"].items():
@@ -101,3 +103,56 @@ def verdict_event_text(event: dict) -> str:
     pct = f" at {d['progress_pct']:.1f} %" if d.get("progress_pct") is not None else ""
     reasons = f": {'; '.join(d['reasons'])}" if d.get("reasons") else ""
     return f"[{clock_time(event['t'])}] {event['stage']}: {d.get('from') or 'new'} → {d['to']}{pct}{reasons}"
+
+
+def train_guard_text(c) -> str:
+    """The train-now refusal, with the manifest's numbers (the incident's 'seems done' at 49 %)."""
+    if c.total:
+        done = (c.done or 0) + (c.failed or 0)
+        head = f"extraction is {c.pct:.1f} % done ({done:,} / {c.total:,})"
+        if c.eta_s:
+            head += f", about {ago(c.eta_s)} to go"
+        if done < c.total:
+            head += f"; starting training now would train on {c.pct:.0f} % of the data while the server holds the GPUs"
+    else:
+        head = "extraction is 0 % done (no manifest totals yet)"
+    return (f"refusing to start training: {head}. Not complete because: {'; '.join(c.missing)}. "
+            "Run `eagle3 autostart on` to start training by itself once extraction is verified complete, "
+            "or `eagle3 start train --force` to override (audited).")
+
+
+def autostart_text(on: bool, result: dict) -> str:
+    """What `eagle3 autostart on|off` says."""
+    state = result["state"] or {}
+    if on:
+        text = (f"auto-start armed: {state.get('reason')}" if result["changed"]
+                else f"auto-start already armed (step: {state.get('step')}); nothing changed")
+    elif result["changed"]:
+        text = "auto-start cancelled"
+    elif state.get("step") in ("launching-training", "training-running"):
+        text = "auto-start can no longer be cancelled: training was launched; stop it with `eagle3 stop train`"
+    else:
+        text = "auto-start was not armed; nothing changed"
+    if not result["monitor_running"] and on:
+        text += ". No monitor is running: it advances only inside `eagle3 serve` — start it."
+    return text
+
+
+def event_text(event: dict) -> str | None:
+    """A console line for the events an operator should see as they happen."""
+    d, kind, when = event["data"], event["kind"], clock_time(event["t"])
+    if kind == "verdict":
+        return verdict_event_text(event)
+    if kind == "handoff":
+        return f"[{when}] auto-start: {d['step']} — {d['reason']}"
+    if kind == "handoff-alert":
+        return f"[{when}] ALERT auto-start: {d['reason']}"
+    if kind == "stage-restart":
+        return f"[{when}] {event['stage']}: restarted (attempt {d['attempt']} of {d['limit']}) after: {d['reason']}"
+    if kind == "restart-limit":
+        return f"[{when}] ALERT {event['stage']}: {d['reason']}"
+    if kind == "reminder":
+        parts = [f"{s} {v['verdict']}" + (f" {v['progress_pct']:.1f} %" if v.get("progress_pct") is not None else "")
+                 + (f", ETA {ago(v['eta_s'])}" if v.get("eta_s") else "") for s, v in d["status"].items()]
+        return f"[{when}] reminder (asked by {d['by']}): " + ("; ".join(parts) or "no stage observed yet")
+    return None

@@ -123,6 +123,10 @@ class HandoffConfig(_Section):
 
     max_failed_share: float = Field(default=0.001, ge=0, le=1, description="Largest failed share that still counts as complete.")
     server_stop_grace_s: float = Field(default=60.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping the server.")
+    gpu_release_timeout_s: float = Field(default=300.0, gt=0, description="Longest wait for the training GPUs' memory to return to its baseline.")
+    gpu_release_tolerance_mb: float = Field(default=1024.0, ge=0, description="Memory above the baseline that still counts as released.")
+    settle_s: float = Field(default=5.0, ge=0, description="Without NVML: wait this long after the server's processes are gone.")
+    verify_sample: int = Field(default=200, ge=1, description="Files `verify` opens before training may start.")
 
 
 class StateConfig(_Section):

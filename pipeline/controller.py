@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from pipeline import completion
 from pipeline.config import STAGE_NAMES, Workspace, find_config, load_workspace
-from pipeline.errors import StageError
+from pipeline.errors import StageError, UserError
 from pipeline.logfile import tail_lines
 from pipeline.states import StageState
 from pipeline.store import Store
 from pipeline.supervisor import StopResult, Supervisor
+
+
+class TrainGuardError(UserError):
+    """Training was asked for before extraction is verified complete."""
+
+    def __init__(self, c: completion.Completion) -> None:
+        super().__init__("; ".join(c.missing))
+        self.completion = c
 
 
 class Controller:
@@ -33,10 +43,57 @@ class Controller:
         if stage not in STAGE_NAMES:
             raise StageError(f"unknown stage {stage!r}; choose one of {', '.join(STAGE_NAMES)}")
 
-    def start(self, stage: str) -> dict:
-        """Start a stage; returns its process row."""
+    def start(self, stage: str, *, force: bool = False, by: str = "cli") -> dict:
+        """Start a stage; training only once extraction is verified complete (or forced, audited)."""
         self._check_stage(stage)
+        if stage == "train":
+            c = completion.check(self.ws, self.store, verify_sample=self.ws.config.handoff.verify_sample)
+            if not c.complete and not force:
+                self.store.audit(user=by, channel=None, action="start train", outcome="refused", detail="; ".join(c.missing))
+                raise TrainGuardError(c)
+            if not c.complete:
+                self.store.audit(user=by, channel=None, action="start train --force", outcome="allowed",
+                                 detail="; ".join(c.missing))
+        if stage == "server":
+            self._record_gpu_baseline()
         return self.supervisor.start(stage)
+
+    def _record_gpu_baseline(self) -> None:
+        """GPU memory before the server loads: the handoff waits for the training GPUs to return to it."""
+        from pipeline.sampler import make_gpu_probe
+
+        reading = make_gpu_probe(self.ws).read()
+        if reading.value:
+            self.store.put("gpu_baseline", {str(g["index"]): g["mem_used_mb"] for g in reading.value})
+
+    def autostart(self, on: bool, *, by: str = "cli") -> dict:
+        """Arm or cancel the handoff: {changed, state, monitor_running}."""
+        from pipeline.handoff import Handoff
+
+        h = Handoff(ws=self.ws, store=self.store, supervisor=self.supervisor)
+        changed, state = h.arm(by=by) if on else h.cancel(by=by)
+        self.store.audit(user=by, channel=None, action=f"autostart {'on' if on else 'off'}",
+                         outcome="done" if changed else "no-op", detail=(state or {}).get("step", "off"))
+        return {"changed": changed, "state": state, "monitor_running": self.monitor_running()}
+
+    def remind(self, spec: str, *, by: str = "cli") -> dict:
+        """Store a reminder due after '30m', '1h', '90s' or at the extraction 'eta'."""
+        now = self.store.clock()
+        if spec == "eta":
+            eta = (self.store.get("verdict:extract") or {}).get("eta_s")
+            if eta is None:
+                raise UserError("remind eta: extraction has no ETA yet; give a delay such as 30m or 1h")
+            delay = float(eta)
+        else:
+            m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|m|h)", spec.strip())
+            if not m:
+                raise UserError(f"remind {spec!r}: give a delay such as 30m, 1h or 90s, or 'eta'")
+            delay = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
+        reminder = {"due_at": now + delay, "created_at": now, "by": by, "spec": spec}
+        with self.store.atomic():
+            self.store.put("reminders", [*self.store.get("reminders", []), reminder])
+            self.store.audit(user=by, channel=None, action=f"remind {spec}", outcome="done")
+        return {**reminder, "monitor_running": self.monitor_running()}
 
     def stop(self, stage: str, *, grace_s: float | None = None) -> StopResult:
         """Stop one stage (SIGTERM, grace, SIGKILL)."""
@@ -75,7 +132,10 @@ class Controller:
             finally:
                 sampler.close()
         now = self.store.clock()
+        handoff = self.store.get("handoff")
         return {"run": self.store.current_run(), "monitor": "running" if monitored else "not running",
+                "autostart": "off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
+                "autostart_reason": (handoff or {}).get("reason"),
                 "stages": {stage: self._stage_status(stage, now) for stage in STAGE_NAMES}}
 
     def _unobserved_end(self, stage: str) -> bool:

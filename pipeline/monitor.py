@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+from pipeline.automation import Automation
 from pipeline.config import Workspace
 from pipeline.sampler import Sampler
 from pipeline.store import Store
@@ -26,6 +27,7 @@ class Monitor:
         """Tick until `stop()` (or `max_ticks`)."""
         store = Store(self.ws.store_path, clock=self.clock)
         sampler = Sampler(ws=self.ws, store=store, clock=self.clock)
+        automation = Automation(ws=self.ws, store=store, gpu_probe=sampler.gpu, clock=self.clock)
         tick_s = self.ws.config.monitor.tick_s
         try:
             while not self.stopping.is_set():
@@ -33,6 +35,7 @@ class Monitor:
                 store.put("monitor", {"pid": os.getpid(), "t": self.clock(), "tick_s": tick_s})
                 try:
                     results = sampler.tick()
+                    automation.tick()
                     if self.on_tick:
                         self.on_tick(store, results)
                 except Exception:  # noqa: BLE001 - one bad tick must not end monitoring

@@ -33,6 +33,12 @@ def idle_fake_gpus(count: int):
                           "energy_mj": 60_000.0 * tick, "pids": []} for _ in range(count)]
 
 
+def make_gpu_probe(ws: Workspace, *, clock=time.time) -> GpuProbe:
+    """NVML, or scripted idle fake GPUs when `[monitor] fake_gpus` is set (tests, demo)."""
+    fake = ws.config.monitor.fake_gpus
+    return GpuProbe(backend_factory=(lambda: FakeNvml(idle_fake_gpus(fake))) if fake else RealNvml, clock=clock)
+
+
 class _Budget:
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
@@ -67,9 +73,7 @@ class Sampler:
         self.ws, self.store, self.clock = ws, store, clock
         self.supervisor = Supervisor(workspace=ws, store=store)
         cfg = ws.config
-        fake = cfg.monitor.fake_gpus
-        factory = (lambda: FakeNvml(idle_fake_gpus(fake))) if fake else RealNvml
-        self.gpu = gpu_probe or GpuProbe(backend_factory=factory, clock=clock)
+        self.gpu = gpu_probe or make_gpu_probe(ws, clock=clock)
         self.policy = Policy(stall_floor_s=cfg.monitor.stall_floor_s, max_failed_share=cfg.handoff.max_failed_share)
         self.budget = _Budget()
         self.server = ServerProbe(cfg.stages.server.url, clock=clock)

@@ -92,7 +92,7 @@ class Extractor:
     def prepare(self) -> tuple[ds.Dataset, Plan, Manifest, list[int]]:
         data = ds.scan(self.o.data)
         longest = max(data.tokens, default=0)
-        p = plan(fetch_info(self.o.server), layers=self.o.layers, topk=self.o.target_topk, longest=longest)
+        p = plan(fetch_info(self.o.server, wait_s=self.o.server_wait_s, say=self.say), layers=self.o.layers, topk=self.o.target_topk, longest=longest)
         self.say(f"server {self.o.server}: version {p.version}, {p.layers} layers per row "
                  f"({'3 aux + final' if p.final_present else '3 aux, no final; top-' + str(p.topk) + ' target logprobs'}), "
                  f"chunked prefill {p.chunk}, aux layer ids {p.layer_ids}")

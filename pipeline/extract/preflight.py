@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -52,14 +53,25 @@ def plan(info: dict, *, layers: int | None, topk: int | None, longest: int) -> P
                 model=str(info.get("model_path", "unknown")), warnings=warnings)
 
 
-def fetch_info(url: str, *, timeout_s: float = 30.0) -> dict:
-    """GET /get_server_info, or a one-line error."""
-    try:
-        r = httpx.get(f"{url.rstrip('/')}/get_server_info", timeout=timeout_s)
-        r.raise_for_status()
-        info = r.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        raise UserError(f"{url}: cannot read /get_server_info ({type(exc).__name__}: {exc}); is the server up?") from None
+def fetch_info(url: str, *, timeout_s: float = 30.0, wait_s: float = 0.0, say=None) -> dict:
+    """GET /get_server_info, waiting up to `wait_s` for a server that is still starting."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/get_server_info", timeout=timeout_s)
+            r.raise_for_status()
+            info = r.json()
+            break
+        except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+            if time.monotonic() >= deadline:
+                raise UserError(f"{url}: cannot read /get_server_info ({type(exc).__name__}: {exc}); "
+                                "is the server up?") from None
+            if say:
+                say(f"waiting for the server at {url} ({type(exc).__name__})")
+                say = None
+            time.sleep(1.0)
+        except ValueError:
+            raise UserError(f"{url}: /get_server_info did not return JSON; is this an SGLang server?") from None
     if not isinstance(info, dict):
         raise UserError(f"{url}: /get_server_info did not return an object")
     return info

@@ -1,0 +1,73 @@
+"""What the monitor does after observing: the restart policy, the handoff, due reminders."""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.config import STAGE_NAMES, Workspace
+from pipeline.errors import UserError
+from pipeline.handoff import Handoff
+from pipeline.store import Store
+from pipeline.supervisor import Supervisor
+
+
+class Automation:
+    """One instance per monitor; `tick()` after each sampler tick."""
+
+    def __init__(self, *, ws: Workspace, store: Store, gpu_probe=None, clock=time.time, **handoff_kw) -> None:
+        self.ws, self.store, self.clock = ws, store, clock
+        self.sup = Supervisor(workspace=ws, store=store)
+        self.handoff = Handoff(ws=ws, store=store, supervisor=self.sup, gpu_probe=gpu_probe, clock=clock, **handoff_kw)
+
+    def tick(self) -> None:
+        """Restart what died, advance the handoff, post due reminders."""
+        self.restart_policy()
+        self.handoff.tick()
+        self.reminders()
+
+    def restart_policy(self) -> None:
+        """`on-failure` stages that died (not stopped) restart with doubling backoff, up to their limit."""
+        for stage in STAGE_NAMES:
+            cfg = self.ws.stage(stage)
+            proc = self.store.latest_proc(stage)
+            if cfg.restart != "on-failure" or not proc or proc["stop_requested"]:
+                continue
+            died = proc["state"] == "unknown" and proc["ended_at"] or (
+                proc["state"] == "exited" and proc["exit_code"] != 0)
+            if not died:
+                continue
+            key = f"restarts:{proc['run_id']}:{stage}"
+            count = self.store.get(key, 0)
+            if count >= cfg.max_restarts:
+                if self.store.get(f"restart-limit:{proc['id']}") is None:
+                    self.store.put(f"restart-limit:{proc['id']}", True)
+                    self.store.add_event(kind="restart-limit", run_id=proc["run_id"], stage=stage, data={
+                        "reason": f"{stage} died ({proc['reason']}) and has been restarted {count} time(s), its limit"})
+                continue
+            if self.clock() < (proc["ended_at"] or 0) + cfg.restart_backoff_s * 2 ** count:
+                continue
+            try:
+                new = self.sup.start(stage)
+            except UserError as exc:
+                self.store.add_event(kind="restart-limit", run_id=proc["run_id"], stage=stage,
+                                     data={"reason": f"cannot restart {stage}: {exc}"})
+                self.store.put(key, cfg.max_restarts)
+                continue
+            self.store.put(key, count + 1)
+            self.store.add_event(kind="stage-restart", run_id=proc["run_id"], stage=stage, data={
+                "attempt": count + 1, "limit": cfg.max_restarts, "reason": proc["reason"], "pid": new["pid"]})
+
+    def reminders(self) -> None:
+        """Emit a reminder event, with the current status, for each due reminder."""
+        pending = self.store.get("reminders", [])
+        now = self.clock()
+        due = [r for r in pending if r["due_at"] <= now]
+        if not due:
+            return
+        status = {s: self.store.get(f"verdict:{s}") for s in STAGE_NAMES}
+        with self.store.atomic():
+            self.store.put("reminders", [r for r in pending if r["due_at"] > now])
+            for r in due:
+                self.store.add_event(kind="reminder", run_id=self.store.current_run(), data={
+                    "by": r["by"], "asked_at": r["created_at"], "status": {
+                        s: {k: v.get(k) for k in ("verdict", "progress_pct", "eta_s", "reasons")} for s, v in status.items() if v}})

@@ -1,0 +1,82 @@
+"""Verified completion of extraction: the only gate to training.
+
+Complete means: the extraction stage exited 0, the manifest's processed == total,
+the failed share is within the maximum, no temp files are left, and `verify`
+passes on a random sample of files. Anything less is not complete, and the answer
+says which condition is missing, with the manifest's numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import Workspace
+from pipeline.probes.progress import read_manifest
+from pipeline.store import Store
+
+
+@dataclass
+class Completion:
+    """Whether extraction is verified complete, and why not."""
+
+    complete: bool
+    missing: list[str] = field(default_factory=list)
+    done: int | None = None
+    failed: int | None = None
+    total: int | None = None
+    eta_s: float | None = None
+
+    @property
+    def pct(self) -> float:
+        """Processed share in percent (0 before the first sample)."""
+        if not self.total:
+            return 0.0
+        return 100.0 * ((self.done or 0) + (self.failed or 0)) / self.total
+
+
+def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: bool = True) -> Completion:
+    """Evaluate every condition; `run_verify` opens sample files (the slow part) only when the rest hold."""
+    out = ws.resolve(ws.stage("extract").out)
+    reading = read_manifest(out, clock=store.clock)
+    prog = reading.value or {}
+    verdict = store.get("verdict:extract") or {}
+    c = Completion(complete=False, done=prog.get("done"), failed=prog.get("failed"), total=prog.get("total"),
+                   eta_s=verdict.get("eta_s"))
+    proc = store.latest_proc("extract")
+    if proc is None:
+        c.missing.append("extraction has not been started")
+    elif proc["state"] == "running":
+        c.missing.append("extraction is still running")
+    elif proc["state"] != "exited" or proc["exit_code"] != 0:
+        how = proc["reason"] or proc["state"]
+        c.missing.append(f"the last extraction run did not exit 0 ({how})")
+    if reading.unknown:
+        c.missing.append(f"manifest unreadable: {reading.unknown}")
+    elif c.total is None or c.done is None:
+        c.missing.append("the manifest has no totals yet")
+    else:
+        processed = c.done + (c.failed or 0)
+        if processed < c.total:
+            c.missing.append(f"{processed:,} of {c.total:,} samples processed")
+        share = (c.failed or 0) / c.total if c.total else 0.0
+        if share > ws.config.handoff.max_failed_share:
+            c.missing.append(f"{share * 100:.2g} % of samples failed, above the "
+                             f"{ws.config.handoff.max_failed_share * 100:.2g} % maximum")
+    temps = _temp_files(out)
+    if temps:
+        c.missing.append(f"{temps} temp file(s) left in {out}/hidden_states")
+    if not c.missing and run_verify:
+        from pipeline.extract.verify import verify
+
+        res = verify(out, sample=verify_sample)
+        if not res.ok or not res.checked:
+            c.missing.append(f"verify found {len(res.problems)} problem(s): {'; '.join(res.problems[:3])}")
+    c.complete = not c.missing
+    return c
+
+
+def _temp_files(out: Path | None) -> int:
+    if out is None or not (out / "hidden_states").is_dir():
+        return 0
+    return sum(1 for p in (out / "hidden_states").iterdir() if p.name.startswith("."))

@@ -1,0 +1,89 @@
+"""`eagle3 init --demo DIR`: a self-contained toy pipeline (every path inside DIR).
+
+The toy server as `server`, extraction of a generated dataset as `extract`, and
+2-process CPU torchrun training as `train` — each runnable by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import sys
+from pathlib import Path
+
+SAMPLES = 300
+TRAIN_STEPS = 40
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_dataset(path: Path, n: int = SAMPLES, *, seed: int = 7) -> int:
+    """n samples of toy token ids, 32–256 tokens each; returns the token total."""
+    rng = random.Random(seed)
+    total = 0
+    with open(path, "w") as fh:
+        for i in range(n):
+            ids = [rng.randrange(256) for _ in range(rng.randint(32, 256))]
+            total += len(ids)
+            fh.write(json.dumps({"id": f"demo-{i}", "input_ids": ids}) + "\n")
+    return total
+
+
+def config_text(*, python: str, port: int, steps: int = TRAIN_STEPS) -> str:
+    """The demo workspace's eagle3.toml."""
+    url = f"http://127.0.0.1:{port}"
+    server = [python, "-m", "bot.cli", "toy-server", "--port", str(port)]
+    extract = [python, "-m", "bot.cli", "extract", "--server", url, "--data", "data.jsonl", "--out", "out",
+               "--concurrency", "4", "--server-wait", "120"]
+    train = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline.train",
+             "--data", "out", "--lm-head", "lm_head.safetensors", "--out", "ckpt", "--steps", str(steps),
+             "--save-every", "20"]
+    return f"""# eagle3-ops demo workspace: the toy pipeline on this machine's CPU.
+[monitor]
+tick_s = 1
+stall_floor_s = 30
+fake_gpus = 2            # scripted idle GPUs in place of NVML
+
+[handoff]
+server_stop_grace_s = 10
+gpu_release_timeout_s = 60
+settle_s = 1
+verify_sample = 50
+
+[stages.server]
+argv = {json.dumps(server)}
+url = "{url}"
+port = {port}
+restart = "on-failure"
+max_restarts = 3
+restart_backoff_s = 1
+
+[stages.extract]
+argv = {json.dumps(extract)}
+data = "data.jsonl"
+out = "out"
+restart = "on-failure"
+restart_backoff_s = 1
+
+[stages.train]
+argv = {json.dumps(train)}
+out = "ckpt"
+env = {{ MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS = "1" }}
+"""
+
+
+def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS) -> Path:
+    """Write data, the toy LM head and eagle3.toml into `directory`; returns the config path."""
+    from pipeline.toy_server import export_lm_head
+
+    directory.mkdir(parents=True, exist_ok=True)
+    write_dataset(directory / "data.jsonl")
+    export_lm_head(str(directory / "lm_head.safetensors"))
+    cfg = directory / "eagle3.toml"
+    cfg.write_text(config_text(python=sys.executable, port=_free_port(), steps=steps))
+    return cfg

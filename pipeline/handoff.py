@@ -1,0 +1,156 @@
+"""The auto-start handoff: verified completion → stop the server → GPUs released → train, once.
+
+The state lives in the store (kv `handoff`), so a restart of the service resumes at
+the recorded step. Training is launched exactly once: before launching, the highest
+train process id is recorded; a train process above it means the launch happened.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from pipeline import completion
+from pipeline.config import Workspace
+from pipeline.errors import UserError
+from pipeline.store import Store
+from pipeline.supervisor import Supervisor
+
+ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING, TRAINING = (
+    "armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
+    "training-running")
+FAILED, CANCELLED = "failed", "cancelled"
+CANCELLABLE = frozenset({ARMED, WAITING, STOPPING, GPU_WAIT})
+ACTIVE = CANCELLABLE | {LAUNCHING}
+KEY = "handoff"
+
+
+def port_free(port: int) -> bool:
+    """True when nothing accepts connections on 127.0.0.1:port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return False
+    except OSError:
+        return True
+
+
+class Handoff:
+    """Advances the persisted handoff one step per monitor tick."""
+
+    def __init__(self, *, ws: Workspace, store: Store, supervisor: Supervisor, gpu_probe=None, clock=time.time,
+                 port_check=port_free) -> None:
+        self.ws, self.store, self.sup, self.gpu, self.clock = ws, store, supervisor, gpu_probe, clock
+        self.port_check = port_check
+
+    def state(self) -> dict | None:
+        """The persisted handoff, or None when never armed."""
+        return self.store.get(KEY)
+
+    def _set(self, step: str, reason: str, **fields) -> dict:
+        state = {**(self.state() or {}), **fields, "step": step, "reason": reason, "step_at": self.clock()}
+        with self.store.atomic():
+            self.store.put(KEY, state)
+            self.store.add_event(kind="handoff", run_id=self.store.current_run(), data={"step": step, "reason": reason})
+        return state
+
+    def _note(self, reason: str) -> None:
+        """A new reason within the same step (e.g. which condition is still missing)."""
+        state = self.state()
+        if state and state.get("reason") != reason:
+            self._set(state["step"], reason)
+
+    # --- verbs ------------------------------------------------------------------------------
+    def arm(self, *, by: str) -> tuple[bool, dict]:
+        """Create the handoff; a second arm is a no-op. Returns (created, state)."""
+        state = self.state()
+        if state and state["step"] in ACTIVE | {TRAINING}:
+            return False, state
+        return True, self._set(ARMED, f"armed by {by}", armed_by=by, armed_at=self.clock(), train_floor=None,
+                               gpu_wait_since=None, train_proc_id=None)
+
+    def cancel(self, *, by: str) -> tuple[bool, dict | None]:
+        """Cancel before launch. Returns (cancelled, state)."""
+        state = self.state()
+        if not state or state["step"] not in CANCELLABLE:
+            return False, state
+        return True, self._set(CANCELLED, f"cancelled by {by}")
+
+    # --- the tick -------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Advance at most a few steps; never raises into the monitor."""
+        for _ in range(6):
+            state = self.state()
+            if not state or state["step"] not in ACTIVE:
+                return
+            before = state["step"]
+            try:
+                {ARMED: self._armed, WAITING: self._waiting, STOPPING: self._stopping, GPU_WAIT: self._gpu_wait,
+                 LAUNCHING: self._launching}[before](state)
+            except UserError as exc:
+                self._set(FAILED, str(exc))
+            if (self.state() or {}).get("step") == before:
+                return
+
+    def _armed(self, state: dict) -> None:
+        self._set(WAITING, "waiting for verified completion of extraction")
+
+    def _waiting(self, state: dict) -> None:
+        c = completion.check(self.ws, self.store, verify_sample=self.ws.config.handoff.verify_sample)
+        if not c.complete:
+            self._note("waiting: " + "; ".join(c.missing))
+            return
+        self._set(STOPPING, f"extraction verified complete ({c.done:,} done, {c.failed or 0:,} failed of {c.total:,})")
+
+    def _stopping(self, state: dict) -> None:
+        result = self.sup.stop("server", grace_s=self.ws.config.handoff.server_stop_grace_s)
+        how = "was not running" if not result.was_running else (
+            "stopped with SIGKILL after the grace period" if result.escalated else "stopped")
+        if result.survivors:
+            who = ", ".join(f"{m.pid} ({m.name})" for m in result.survivors)
+            self.store.add_event(kind="handoff-alert", data={"reason": f"server processes survived SIGKILL: {who}"})
+        self._set(GPU_WAIT, f"server {how}; waiting for the training GPUs to be released", gpu_wait_since=self.clock(),
+                  server_stopped_at=self.clock())
+
+    def _gpu_wait(self, state: dict) -> None:
+        released, why = self._released(state)
+        if released:
+            floor = max((p["id"] for p in self.store.db["stage_procs"].rows_where("stage = ?", ["train"])), default=0)
+            self._set(LAUNCHING, why, train_floor=floor)
+            return
+        waited = self.clock() - (state.get("gpu_wait_since") or self.clock())
+        if waited > self.ws.config.handoff.gpu_release_timeout_s:
+            reason = f"GPUs not released after {waited:.0f} s: {why}; training not launched"
+            self.store.add_event(kind="handoff-alert", data={"reason": reason})
+            self._set(FAILED, reason)
+        else:
+            self._note(f"waiting for GPU release: {why}")
+
+    def _released(self, state: dict) -> tuple[bool, str]:
+        port = self.ws.config.stages.server.port
+        if not self.port_check(port):
+            return False, f"port {port} still in use"
+        reading = self.gpu.read() if self.gpu else None
+        if reading is None or reading.unknown:
+            settled = self.clock() - (state.get("server_stopped_at") or 0) >= self.ws.config.handoff.settle_s
+            why = reading.unknown if reading else "no GPU probe"
+            return settled, f"server processes gone and port {port} free; GPU memory could not be checked ({why})"
+        baseline = self.store.get("gpu_baseline") or {}
+        wanted = set(self.ws.stage("train").gpus) or {g["index"] for g in reading.value}
+        tol = self.ws.config.handoff.gpu_release_tolerance_mb
+        held = [g for g in reading.value if g["index"] in wanted and g.get("mem_used_mb") is not None
+                and g["mem_used_mb"] > float(baseline.get(str(g["index"]), 0.0)) + tol]
+        if held:
+            return False, "memory still held on GPU " + ", ".join(
+                f"{g['index']} ({g['mem_used_mb']:.0f} MB)" for g in held)
+        return True, f"training GPUs back to their baseline memory and port {port} free"
+
+    def _launching(self, state: dict) -> None:
+        floor = state.get("train_floor") or 0
+        self.sup.refresh()
+        # A row whose runner died before the stage got a pid never ran: it does not count.
+        launched = [p for p in self.store.db["stage_procs"].rows_where("stage = ? AND id > ?", ["train", floor])
+                    if p["pid"] is not None or p["state"] == "running"]
+        if not launched:
+            self.sup.start("train")  # the row it inserts is the idempotency record
+            launched = list(self.store.db["stage_procs"].rows_where("stage = ? AND id > ?", ["train", floor]))
+        self._set(TRAINING, f"training launched (pid {launched[0]['pid']})", train_proc_id=launched[0]["id"])

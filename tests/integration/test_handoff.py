@@ -1,0 +1,254 @@
+"""The auto-start handoff, the train-now guard, the restart policy and reminders, with real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_workspace
+from pipeline.controller import Controller
+from pipeline.handoff import Handoff
+from pipeline.probes import known
+from pipeline.store import Store
+from pipeline.supervisor import Supervisor
+from tests.conftest import ROOT, eagle3, fixture_argv, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def demo_ws(tmp_path: Path, *, train_argv: list[str] | None = None, server_flags: tuple = ()) -> Path:
+    out = eagle3("init", "--demo", str(tmp_path / "ws"))
+    assert out.returncode == 0, out.stderr
+    cfg = tmp_path / "ws" / "eagle3.toml"
+    text = cfg.read_text()
+    if train_argv is not None:
+        text = re.sub(r"(\[stages\.train\]\nargv = )\[.*?\]\n", lambda m: m.group(1) + json.dumps(train_argv) + "\n",
+                      text, flags=re.S)
+    if server_flags:
+        text = re.sub(r'("toy-server", "--port", "\d+")', lambda m: m.group(1) + ", " +
+                      ", ".join(json.dumps(f) for f in server_flags), text)
+    cfg.write_text(text)
+    return cfg
+
+
+def status(cfg: Path) -> dict:
+    out = eagle3("status", "--json", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def train_rows(cfg: Path) -> list[dict]:
+    conn = sqlite3.connect(cfg.parent / ".eagle3" / "state.sqlite")
+    conn.row_factory = sqlite3.Row
+    rows = [dict(r) for r in conn.execute("SELECT * FROM stage_procs WHERE stage = 'train'")]
+    conn.close()
+    return rows
+
+
+def serve(cfg: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=60)[0]
+
+
+def cleanup(cfg: Path) -> None:
+    eagle3("stop", "--all", "--grace", "2", "--config", str(cfg))
+
+
+@pytest.mark.slow
+def test_demo_workspace_hands_off_to_real_torchrun_exactly_once(tmp_path):
+    cfg = demo_ws(tmp_path)
+    try:
+        for args in (["start", "server"], ["start", "extract"], ["autostart", "on"]):
+            assert eagle3(*args, "--config", str(cfg)).returncode == 0
+        svc = serve(cfg)
+        try:
+            st = wait_for(lambda: (s := status(cfg))["stages"]["train"]["state"] == "exited" and s, timeout=200,
+                          interval=1.0, what="training to finish")
+        finally:
+            output = finish(svc)
+        assert st["stages"]["train"]["exit_code"] == 0, output
+        assert st["stages"]["server"]["state"] == "stopped" and st["autostart"] == "training-running"
+        assert st["stages"]["extract"]["verdict"] == "done"
+        assert len(train_rows(cfg)) == 1
+        steps = [json.loads(line)["step"] for line in (cfg.parent / "ckpt" / "progress.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, 41))
+        for step in ("waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
+                     "training-running"):
+            assert f"auto-start: {step}" in output
+    finally:
+        cleanup(cfg)
+
+
+@pytest.fixture
+def completed_ws(tmp_path):
+    """A demo workspace whose extraction has completed; training is a stand-in that sleeps."""
+    cfg = demo_ws(tmp_path, train_argv=fixture_argv("sleeper.py"))
+    assert eagle3("start", "server", "--config", str(cfg)).returncode == 0
+    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+    wait_for(lambda: status(cfg)["stages"]["extract"]["state"] == "exited", timeout=120, what="extraction")
+    yield cfg
+    cleanup(cfg)
+
+
+STEPS = ["armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training"]
+
+
+def test_service_death_at_each_step_resumes_and_launches_once(completed_ws):
+    cfg = completed_ws
+    ws = load_workspace(cfg)
+    for i, step in enumerate(STEPS + ["launching-training+row"]):
+        # The world as the dead service left it: the server still up before the stop step, stopped after it.
+        server_up = Controller(workspace=ws).supervisor.is_running("server")
+        if step in STEPS[:3] and not server_up:
+            assert eagle3("start", "server", "--config", str(cfg)).returncode == 0
+        elif step not in STEPS[:3] and server_up:
+            assert eagle3("stop", "server", "--config", str(cfg)).returncode == 0
+        store = Store(ws.store_path)
+        before = len(train_rows(cfg))
+        floor = max((r["id"] for r in train_rows(cfg)), default=0)
+        state = {"step": step.split("+")[0], "reason": "the service died here", "armed_by": "test",
+                 "train_floor": floor, "gpu_wait_since": time.time(), "server_stopped_at": time.time()}
+        store.put("handoff", state)
+        if step.endswith("+row"):  # died right after launching: the train row exists
+            Supervisor(workspace=ws, store=store).start("train")
+        store.close()
+        out = eagle3("serve", "--max-ticks", "8", "--config", str(cfg), timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        st = status(cfg)
+        assert st["autostart"] == "training-running", (step, st["autostart_reason"], out.stdout)
+        assert len(train_rows(cfg)) == before + 1, f"step {step}: training must be launched exactly once"
+        assert st["stages"]["server"]["state"] == "stopped"
+        assert eagle3("stop", "train", "--grace", "2", "--config", str(cfg)).returncode == 0
+        assert i < len(STEPS) + 1
+
+
+def test_kill_9_of_the_service_mid_handoff(completed_ws):
+    cfg = completed_ws
+    assert eagle3("autostart", "on", "--config", str(cfg)).returncode == 0
+    svc = serve(cfg)
+    wait_for(lambda: status(cfg)["autostart"] not in ("armed", "off"), timeout=60, what="handoff to advance")
+    os.killpg(svc.pid, signal.SIGKILL)
+    svc.wait()
+    svc.stdout.close()
+    again = serve(cfg)
+    try:
+        wait_for(lambda: status(cfg)["autostart"] == "training-running", timeout=90, what="training-running")
+        time.sleep(3)  # a few more ticks: nothing may launch twice
+    finally:
+        finish(again)
+    assert len(train_rows(cfg)) == 1
+
+
+def test_early_exit_0_never_hands_off(tmp_path):
+    cfg = demo_ws(tmp_path, train_argv=fixture_argv("sleeper.py"))
+    text = cfg.read_text()
+    text = re.sub(r"(\[stages\.extract\]\nargv = )\[.*?\]\n", lambda m: m.group(1) + json.dumps(
+        fixture_argv("fake_extract.py", str(cfg.parent / "out"), "100", "0", "40")) + "\n", text, flags=re.S)
+    cfg.write_text(text)
+    try:
+        assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+        assert eagle3("autostart", "on", "--config", str(cfg)).returncode == 0
+        wait_for(lambda: status(cfg)["stages"]["extract"]["state"] == "exited", what="early exit")
+        out = eagle3("serve", "--max-ticks", "4", "--config", str(cfg), timeout=60)
+        st = status(cfg)
+        assert st["autostart"] == "waiting-for-completion"
+        assert "40 of 100 samples processed" in st["autostart_reason"], out.stdout
+        assert train_rows(cfg) == []
+        refused = eagle3("start", "train", "--config", str(cfg))
+        assert refused.returncode == 2
+        assert "extraction is 40.0 % done (40 / 100)" in refused.stderr and "eagle3 autostart on" in refused.stderr
+        forced = eagle3("start", "train", "--force", "--config", str(cfg))
+        assert forced.returncode == 0, forced.stderr
+        conn = sqlite3.connect(cfg.parent / ".eagle3" / "state.sqlite")
+        audit = conn.execute("SELECT action, outcome FROM audit ORDER BY id").fetchall()
+        conn.close()
+        assert ("start train", "refused") in audit and ("start train --force", "allowed") in audit
+        assert eagle3("autostart", "off", "--config", str(cfg)).stdout.startswith("auto-start cancelled")
+    finally:
+        cleanup(cfg)
+
+
+class ScriptedGpus:
+    """GPU readings that hold memory for `held_ticks` reads, then release it (None: never)."""
+
+    def __init__(self, held_ticks: int | None) -> None:
+        self.held_ticks, self.reads = held_ticks, 0
+
+    def read(self, pid_stage=None):
+        self.reads += 1
+        held = self.held_ticks is None or self.reads <= self.held_ticks
+        return known([{"index": i, "mem_used_mb": 70000.0 if held else 900.0} for i in range(2)])
+
+
+@pytest.mark.parametrize("held_ticks", [3, None])
+def test_gpu_release_waits_for_memory_and_times_out_without_launch(tmp_path, held_ticks):
+    cfg = demo_ws(tmp_path, train_argv=fixture_argv("sleeper.py"))
+    ws = load_workspace(cfg)
+    store = Store(ws.store_path)
+    store.put("gpu_baseline", {"0": 800.0, "1": 800.0})
+    clock = {"t": 1000.0}
+    sup = Supervisor(workspace=ws, store=store)
+    h = Handoff(ws=ws, store=store, supervisor=sup, gpu_probe=ScriptedGpus(held_ticks), clock=lambda: clock["t"],
+                port_check=lambda port: True)
+    store.put("handoff", {"step": "waiting-for-gpu-release", "reason": "x", "gpu_wait_since": 1000.0})
+    try:
+        for _ in range(8):
+            h.tick()
+            clock["t"] += 20
+        state = store.get("handoff")
+        alerts = [e for e in store.events() if e["kind"] == "handoff-alert"]
+        if held_ticks is None:
+            assert state["step"] == "failed" and "GPUs not released" in state["reason"]
+            assert "memory still held on GPU 0 (70000 MB)" in state["reason"]
+            assert len(alerts) == 1 and not list(store.db["stage_procs"].rows_where("stage = 'train'"))
+        else:
+            assert state["step"] == "training-running" and not alerts
+    finally:
+        sup.stop_all(grace_s=2)
+        store.close()
+
+
+def test_server_crash_is_restarted_and_extraction_resumes(tmp_path):
+    cfg = demo_ws(tmp_path, train_argv=fixture_argv("sleeper.py"), server_flags=("--crash-after", "120"))
+    try:
+        assert eagle3("start", "server", "--config", str(cfg)).returncode == 0
+        assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+        svc = serve(cfg)
+        try:
+            st = wait_for(lambda: (s := status(cfg))["stages"]["extract"].get("verdict") in ("done", "dead") and s,
+                          timeout=180, interval=1.0, what="extraction to finish")
+        finally:
+            output = finish(svc)
+        assert st["stages"]["extract"]["exit_code"] == 0 and st["stages"]["extract"]["verdict"] == "done", output
+        assert "server: restarted (attempt 1 of 3)" in output
+        assert eagle3("verify", str(cfg.parent / "out"), "--config", str(cfg)).returncode == 0
+    finally:
+        cleanup(cfg)
+
+
+def test_double_arm_is_one_handoff_and_reminder_is_delivered(completed_ws):
+    cfg = completed_ws
+    first = eagle3("autostart", "on", "--config", str(cfg)).stdout
+    second = eagle3("autostart", "on", "--config", str(cfg)).stdout
+    assert first.startswith("auto-start armed") and "already armed" in second
+    assert "no monitor is running" in eagle3("remind", "1s", "--config", str(cfg)).stdout
+    time.sleep(1.2)
+    out = eagle3("serve", "--max-ticks", "6", "--config", str(cfg), timeout=90).stdout
+    assert "reminder (asked by cli:" in out and "extract done 100.0 %" in out
+    assert out.count("auto-start: stopping-server") == 1
+    assert len(train_rows(cfg)) == 1
