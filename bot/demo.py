@@ -1,55 +1,121 @@
-"""`eagle3 demo`: a tour in a temporary workspace, leaving nothing running.
+"""`eagle3 demo`: the whole story in a temporary `init --demo` workspace, on the console transport.
 
-Until the toy pipeline exists this tours the supervision layer: it starts stand-in
-stages, shows status and logs, and stops everything.
+Toy server and extraction start, auto-start is armed as an operator would, the
+monitor reports progress, the handoff stops the server and launches 2-process CPU
+training, and a summary closes. Nothing is left running, Ctrl-C included.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import sqlite3
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from handlers.views import status_text, stop_text
+from bot.service import ConsoleEvents
+from handlers.views import ago
 from pipeline.config import load_workspace
 from pipeline.controller import Controller
+from pipeline.demo_workspace import write_demo_workspace
+from pipeline.monitor import Monitor
 
-_WORKER = (
-    "import time\n"
-    "for i in range(1, 201):\n"
-    "    print(f'sample {i}/200', flush=True)\n"
-    "    time.sleep(0.01)\n"
-)
-_SERVER = "import time\nprint('stand-in server ready', flush=True)\ntime.sleep(600)\n"
+TIMEOUT_S = 170.0
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def run_demo() -> int:
-    """Run the tour; returns the exit status."""
-    with tempfile.TemporaryDirectory(prefix="eagle3-demo-") as tmp:
-        cfg = Path(tmp) / "eagle3.toml"
-        cfg.write_text(
-            f"[stages.server]\nargv = {json.dumps([sys.executable, '-c', _SERVER])}\n"
-            f"[stages.extract]\nargv = {json.dumps([sys.executable, '-c', _WORKER])}\n"
-        )
-        ctl = Controller(workspace=load_workspace(cfg))
+    """Run the story; returns the exit status."""
+    root = Path(tempfile.mkdtemp(prefix="eagle3-demo-"))
+    log = root / "demo.log"
+    logging.basicConfig(filename=log, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+    _say(f"eagle3 demo — workspace {root} (stage logs and details: {log})")
+    cfg = write_demo_workspace(root)
+    ws = load_workspace(cfg)
+    ctl = Controller(workspace=ws)
+    monitor = Monitor(ws=ws, on_tick=ConsoleEvents(since_t=time.time()))
+    thread = threading.Thread(target=monitor.run, name="monitor", daemon=True)
+    started = time.time()
+    try:
+        _say("1. starting the toy SGLang server and extraction of 300 samples")
+        ctl.start("server")
+        ctl.start("extract")
+        _say("2. an operator asks: train now? — the train-now guard answers:")
+        from handlers.views import train_guard_text
+        from pipeline.controller import TrainGuardError
         try:
-            print(f"workspace: {tmp}")
-            for stage in ("server", "extract"):
-                proc = ctl.start(stage)
-                print(f"started {stage}: pid {proc['pid']} in its own process group, run {proc['run_id']}")
-            deadline = time.monotonic() + 30
-            while ctl.status()["stages"]["extract"]["state"] == "running" and time.monotonic() < deadline:
-                time.sleep(0.2)
-            print("\n" + status_text(ctl.status()))
-            _, lines = ctl.logs("extract", lines=2)
-            print("\nlast lines of the extract log:\n  " + "\n  ".join(lines))
-            print()
-            for result in ctl.stop_all(grace_s=5):
-                print(stop_text(result))
-        finally:
-            ctl.stop_all(grace_s=2)
-            ctl.close()
-    print("\nThe toy SGLang server, extraction, diagnosis, handoff and Slack views are not built yet.")
-    return 0
+            ctl.start("train")
+        except TrainGuardError as exc:
+            _say("   " + train_guard_text(exc.completion))
+        _say("3. arming auto-start instead; the monitor takes it from here")
+        ctl.autostart(True, by="demo")
+        thread.start()
+        ok = _wait_for_training(ctl)
+    except KeyboardInterrupt:
+        _say("interrupted: stopping everything the demo started")
+        ok = False
+    finally:
+        monitor.stop()
+        thread.join(timeout=30) if thread.is_alive() else None
+        ctl.stop_all(grace_s=5)
+        ctl.close()
+    if ok:
+        _summary(root, ws, started)
+    _say("nothing left running." if ok else f"demo did not finish; see {log} and {root}/.eagle3/logs")
+    return 0 if ok else 1
+
+
+def _wait_for_training(ctl: Controller) -> bool:
+    deadline = time.monotonic() + TIMEOUT_S
+    last_post = 0.0
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        st = ctl.status(sample_if_unmonitored=False)
+        ex = st["stages"]["extract"]
+        if time.monotonic() - last_post >= 5 and ex.get("verdict") in ("progressing", "slow") and ex.get("progress_pct"):
+            last_post = time.monotonic()
+            eta = f", ETA {ago(ex['eta_s'])}" if ex.get("eta_s") is not None else ""
+            rate = f", {ex['rate_samples_per_s']:.0f} samples/s" if ex.get("rate_samples_per_s") else ""
+            _say(f"   status: extract {ex['verdict']} {ex['progress_pct']:.1f} %{rate}{eta} — GPUs idle, not stuck")
+        tr = st["stages"]["train"]
+        if tr["state"] in ("exited", "stopped", "unknown"):
+            return tr["state"] == "exited" and tr["exit_code"] == 0
+    _say(f"   training did not finish within {TIMEOUT_S:.0f} s")
+    return False
+
+
+def _summary(root: Path, ws, started: float) -> None:
+    conn = sqlite3.connect(root / "out" / "manifest.sqlite")
+    done, failed, nbytes = conn.execute(
+        "SELECT SUM(status='done'), SUM(status='failed'), COALESCE(SUM(bytes), 0) FROM samples").fetchone()
+    conn.close()
+    ctl = Controller(workspace=ws)
+    try:
+        procs = {s: ctl.store.latest_proc(s) for s in ("server", "extract", "train")}
+        steps = {e["data"]["step"]: e["t"] for e in ctl.store.events(kind="handoff")}
+        first_step = next((o["t"] for o in ctl.store.observations(stage="train")
+                           if (o.get("progress") or {}).get("done")), None)
+    finally:
+        ctl.close()
+    lines = [json.loads(x) for x in (root / "ckpt" / "progress.jsonl").read_text().splitlines()]
+    dur = {s: (p["ended_at"] or time.time()) - p["started_at"] for s, p in procs.items() if p}
+    completion = procs["extract"]["ended_at"]
+    _say("\nsummary")
+    _say(f"  samples: {done} extracted, {failed} failed; {nbytes / 1e6:.1f} MB of hidden states")
+    _say("  time per stage: " + ", ".join(f"{s} {d:.0f} s" for s, d in dur.items()))
+    marks = [("server stopped", steps.get("waiting-for-gpu-release")), ("GPUs released", steps.get("launching-training")),
+             ("training's first step observed", first_step)]
+    _say("  handoff after extraction completed: " + ", ".join(
+        f"{name} +{t - completion:.1f} s" for name, t in marks if t))
+    _say(f"  training kl: {lines[0]['kl']:.2f} at step 1 → {lines[-1]['kl']:.3f} at step {lines[-1]['step']}")
+    _say(f"  whole demo: {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(run_demo())

@@ -7,6 +7,7 @@ train process id is recorded; a train process above it means the launch happened
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 
@@ -23,6 +24,10 @@ FAILED, CANCELLED = "failed", "cancelled"
 CANCELLABLE = frozenset({ARMED, WAITING, STOPPING, GPU_WAIT})
 ACTIVE = CANCELLABLE | {LAUNCHING}
 KEY = "handoff"
+
+
+def _shape(reason: str) -> str:
+    return re.sub(r"[\d,.]+", "#", reason)
 
 
 def port_free(port: int) -> bool:
@@ -54,10 +59,15 @@ class Handoff:
         return state
 
     def _note(self, reason: str) -> None:
-        """A new reason within the same step (e.g. which condition is still missing)."""
+        """A new reason within the same step. The state always shows the latest numbers; an event
+        is recorded only when the kind of reason changes, not each time a count moves."""
         state = self.state()
-        if state and state.get("reason") != reason:
+        if not state or state.get("reason") == reason:
+            return
+        if _shape(state.get("reason") or "") != _shape(reason):
             self._set(state["step"], reason)
+        else:
+            self.store.put(KEY, {**state, "reason": reason})
 
     # --- verbs ------------------------------------------------------------------------------
     def arm(self, *, by: str) -> tuple[bool, dict]:

@@ -61,6 +61,7 @@ class Options:
 
 
 STORE_WORKERS = 4
+STOP_DRAIN_S = 60.0  # after SIGTERM, how long requests and writes in flight may take to finish
 
 
 @dataclass
@@ -147,9 +148,7 @@ class Extractor:
                 tasks = [asyncio.create_task(self._feed(fh, todo))]
                 tasks += [asyncio.create_task(self._requester(client)) for _ in range(self.o.concurrency)]
                 tasks += [asyncio.create_task(self._storer()) for _ in range(STORE_WORKERS)]
-                while self.remaining and not (self._ending() and not self.inflight and not self.storing
-                                              and self.answers.empty()):
-                    await asyncio.sleep(0.05)
+                await self._until_finished()
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -160,6 +159,17 @@ class Extractor:
         if self.stopping.is_set():
             self.say("stopped on request; the manifest is consistent — run the same command to resume")
         return 0
+
+    async def _until_finished(self) -> None:
+        """All samples recorded; or a fatal error; or, after a stop, the work in flight drained
+        (bounded by STOP_DRAIN_S: what is still in flight then is abandoned, not recorded)."""
+        drain_deadline = None
+        while self.remaining and self.fatal is None:
+            if self.stopping.is_set():
+                drain_deadline = drain_deadline or time.monotonic() + STOP_DRAIN_S
+                if (not self.inflight and not self.storing) or time.monotonic() > drain_deadline:
+                    return
+            await asyncio.sleep(0.05)
 
     def _ending(self) -> bool:
         return self.stopping.is_set() or self.fatal is not None
@@ -203,6 +213,9 @@ class Extractor:
             except httpx.HTTPStatusError as exc:
                 self._retry(job, _http_reason(exc), retryable=True)
                 continue
+            except Exception as exc:  # noqa: BLE001 - a dead worker must end the run, not hang it
+                self.fatal = UserError(f"unexpected error requesting sample {job.idx}: {type(exc).__name__}: {exc}")
+                return
             finally:
                 self.inflight -= 1
             self.storing += 1
@@ -233,6 +246,9 @@ class Extractor:
                 self._retry(job, exc.reason, retryable=exc.retry)
             except DiskError as exc:
                 self.fatal = exc
+            except Exception as exc:  # noqa: BLE001 - a dead worker must end the run, not hang it
+                self.fatal = UserError(f"unexpected error storing sample {job.idx}: {type(exc).__name__}: {exc}; "
+                                       "the manifest is consistent — please report this, then rerun to resume")
             finally:
                 self.storing -= 1
 

@@ -77,10 +77,12 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", server.url, "--data",
                                  str(tmp_path / "d.jsonl"), "--out", str(out), "--concurrency", "4"],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 40, timeout=60,
-                 what="40 samples")
-        proc.kill()
-        proc.wait()
+        try:
+            wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 40, timeout=60,
+                     what="40 samples")
+        finally:
+            proc.kill()
+            proc.wait()
         partial = len(manifest_rows(out))
         assert partial < 200
         res = run_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4")
@@ -241,8 +243,12 @@ def test_sigterm_finishes_cleanly_and_resumes(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", server.url, "--data",
                                  str(tmp_path / "d.jsonl"), "--out", str(out), "--concurrency", "4"],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 20, timeout=60,
-                 what="20 samples")
+        try:
+            wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 20, timeout=60,
+                     what="20 samples")
+        except AssertionError:
+            proc.kill()
+            raise
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "stopped on request" in err
@@ -251,3 +257,21 @@ def test_sigterm_finishes_cleanly_and_resumes(tmp_path):
         assert_complete(out, samples)
     finally:
         server.stop()
+
+
+def test_unexpected_worker_error_ends_the_run_instead_of_hanging(toy, tmp_path, monkeypatch):
+    from pipeline.errors import UserError
+    from pipeline.extract import client
+    from pipeline.extract.client import Options, extract
+
+    write_dataset(tmp_path / "d.jsonl", 30, seed=9)
+
+    def broken(*a, **k):
+        raise NameError("write_sample")  # what a broken release once did
+
+    monkeypatch.setattr(client, "write_sample", broken)
+    t = time.monotonic()
+    with pytest.raises(UserError, match="unexpected error storing sample .*NameError"):
+        extract(Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=4))
+    assert time.monotonic() - t < 30
+    assert manifest_rows(tmp_path / "out") == {}
