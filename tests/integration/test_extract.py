@@ -52,6 +52,13 @@ def assert_complete(out: Path, samples: list) -> None:
         assert tuple(t["hidden_states"].shape) == (len(ids), 4, 64)
 
 
+def spawn_extract(url, data, out, *extra) -> subprocess.Popen:
+    """The extraction client as a background process (stderr captured as text)."""
+    return subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", url, "--data", str(data),
+                             "--out", str(out), *extra], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
 def run_extract(url, data, out, *extra, timeout=150):
     return eagle3("extract", "--server", url, "--data", str(data), "--out", str(out), *extra, timeout=timeout)
 
@@ -74,9 +81,7 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path):
     try:
         samples = write_dataset(tmp_path / "d.jsonl", 200, seed=1)
         out = tmp_path / "out"
-        proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", server.url, "--data",
-                                 str(tmp_path / "d.jsonl"), "--out", str(out), "--concurrency", "4"],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = spawn_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4")
         try:
             wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 40, timeout=60,
                      what="40 samples")
@@ -97,9 +102,7 @@ def test_server_crash_and_restart_mid_run(tmp_path):
     server = ToyServer("--crash-after", "60")
     samples = write_dataset(tmp_path / "d.jsonl", 150, seed=2)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", server.url, "--data",
-                             str(tmp_path / "d.jsonl"), "--out", str(out), "--concurrency", "4", "--server-wait", "60"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = spawn_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4", "--server-wait", "60")
     try:
         server.proc.wait(timeout=60)  # it crashes on request 61
         time.sleep(1.0)
@@ -240,9 +243,7 @@ def test_sigterm_finishes_cleanly_and_resumes(tmp_path):
     try:
         samples = write_dataset(tmp_path / "d.jsonl", 120, seed=8)
         out = tmp_path / "out"
-        proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", server.url, "--data",
-                                 str(tmp_path / "d.jsonl"), "--out", str(out), "--concurrency", "4"],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = spawn_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4")
         try:
             wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 20, timeout=60,
                      what="20 samples")
