@@ -73,48 +73,48 @@ def test_status_shape_contract(make_workspace):
 
 
 def test_service_killed_stage_survives_and_is_readopted(make_workspace, cleanup):
-    cfg = make_workspace({"train": fixture_argv("sleeper.py")})
+    cfg = make_workspace({"extract": fixture_argv("sleeper.py")})
     # A stand-in for `eagle3 serve`: a long-lived process holding the controller.
     service = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\nfrom pipeline.controller import Controller\n"
-        f"c = Controller.open({str(cfg)!r})\nprint(c.start('train')['pid'], flush=True)\ntime.sleep(600)")],
+        f"c = Controller.open({str(cfg)!r})\nprint(c.start('extract')['pid'], flush=True)\ntime.sleep(600)")],
         stdout=subprocess.PIPE, text=True)
     pid = int(service.stdout.readline())
     cleanup.append(pid)
     service.kill()  # kill -9 of the service
     service.wait()
     assert psutil.pid_exists(pid)
-    st = stage_state(cfg, "train")
+    st = stage_state(cfg, "extract")
     assert (st["state"], st["pid"]) == ("running", pid)
     ctl = Controller(workspace=load_workspace(cfg))
-    assert ctl.supervisor.is_running("train")
-    result = ctl.stop("train", grace_s=5)
+    assert ctl.supervisor.is_running("extract")
+    result = ctl.stop("extract", grace_s=5)
     ctl.close()
     assert not result.escalated and not result.survivors
-    assert stage_state(cfg, "train")["state"] == "stopped"
+    assert stage_state(cfg, "extract")["state"] == "stopped"
 
 
 def test_runner_killed_stage_keeps_running_then_unknown_when_it_ends(make_workspace, cleanup):
-    cfg = make_workspace({"train": fixture_argv("sleeper.py")})
-    assert eagle3("start", "train", "--config", str(cfg)).returncode == 0
+    cfg = make_workspace({"extract": fixture_argv("sleeper.py")})
+    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
     ctl = Controller(workspace=load_workspace(cfg))
-    proc = ctl.store.latest_proc("train")
+    proc = ctl.store.latest_proc("extract")
     cleanup.append(proc["pgid"])
     os.kill(proc["runner_pid"], signal.SIGKILL)
     wait_for(lambda: not psutil.pid_exists(proc["runner_pid"]) or
              psutil.Process(proc["runner_pid"]).status() == psutil.STATUS_ZOMBIE, what="runner to die")
-    assert stage_state(cfg, "train")["state"] == "running"  # verified by (pid, create_time)
+    assert stage_state(cfg, "extract")["state"] == "running"  # verified by (pid, create_time)
     os.kill(proc["pid"], signal.SIGKILL)
-    st = wait_for(lambda: (s := stage_state(cfg, "train"))["state"] != "running" and s, what="status to notice")
+    st = wait_for(lambda: (s := stage_state(cfg, "extract"))["state"] != "running" and s, what="status to notice")
     assert st["state"] == "unknown" and "exit status unknown" in st["reason"]
     ctl.close()
 
 
 def test_reused_pid_is_not_mistaken_for_the_stage(make_workspace, cleanup):
-    cfg = make_workspace({"train": fixture_argv("sleeper.py")})
+    cfg = make_workspace({"extract": fixture_argv("sleeper.py")})
     ctl = Controller(workspace=load_workspace(cfg))
-    ctl.start("train")
-    proc = ctl.store.latest_proc("train")
+    ctl.start("extract")
+    proc = ctl.store.latest_proc("extract")
     cleanup.append(proc["pgid"])
     time.sleep(0.05)  # at least a few clock ticks, as any real reuse is
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
@@ -125,9 +125,9 @@ def test_reused_pid_is_not_mistaken_for_the_stage(make_workspace, cleanup):
     wait_for(lambda: ctl.store.proc(proc["id"])["state"] != "running", what="runner to record the kill")
     new_id = ctl.store.insert_proc({**{k: proc[k] for k in ("run_id", "stage", "argv", "log", "started_at", "create_time")},
                                     "state": "running", "pid": stranger.pid, "pgid": stranger.pid, "stop_requested": 0})
-    st = stage_state(cfg, "train")
+    st = stage_state(cfg, "extract")
     assert st["state"] == "unknown"
-    result = ctl.stop("train", grace_s=1)
+    result = ctl.stop("extract", grace_s=1)
     assert "belongs to another process" in result.note
     assert stranger.poll() is None, "a process we could not verify was killed"
     assert ctl.store.proc(new_id)["state"] == "stopped"
@@ -137,11 +137,11 @@ def test_reused_pid_is_not_mistaken_for_the_stage(make_workspace, cleanup):
 
 
 def test_stop_escalates_and_reaches_grandchildren(make_workspace, cleanup):
-    cfg = make_workspace({"server": fixture_argv("fork_grandchild.py"), "train": fixture_argv("ignore_term.py")})
-    for stage in ("server", "train"):
+    cfg = make_workspace({"server": fixture_argv("fork_grandchild.py"), "extract": fixture_argv("ignore_term.py")})
+    for stage in ("server", "extract"):
         assert eagle3("start", stage, "--config", str(cfg)).returncode == 0
     ctl = Controller(workspace=load_workspace(cfg))
-    pgids = {s: ctl.store.latest_proc(s)["pgid"] for s in ("server", "train")}
+    pgids = {s: ctl.store.latest_proc(s)["pgid"] for s in ("server", "extract")}
     cleanup.extend(pgids.values())
     wait_for(lambda: len(group_alive(pgids["server"])) == 2, what="grandchild to fork")
     ctl.close()
@@ -149,7 +149,7 @@ def test_stop_escalates_and_reaches_grandchildren(make_workspace, cleanup):
     out = eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "server: stopped (SIGKILL needed" in out.stdout
-    assert "train: stopped (SIGKILL needed" in out.stdout
+    assert "extract: stopped (SIGKILL needed" in out.stdout
     assert time.monotonic() - t0 < 30
     for pgid in pgids.values():
         assert group_alive(pgid) == []
@@ -157,7 +157,7 @@ def test_stop_escalates_and_reaches_grandchildren(make_workspace, cleanup):
     assert st["run"] is None
     # The server's leader obeys SIGTERM; its grandchild is what needed SIGKILL.
     assert (st["stages"]["server"]["state"], st["stages"]["server"]["signal"]) == ("stopped", signal.SIGTERM)
-    assert (st["stages"]["train"]["state"], st["stages"]["train"]["signal"]) == ("stopped", signal.SIGKILL)
+    assert (st["stages"]["extract"]["state"], st["stages"]["extract"]["signal"]) == ("stopped", signal.SIGKILL)
 
 
 def test_log_rotation_through_runner(make_workspace):
@@ -226,3 +226,13 @@ def test_help_lists_commands():
     out = eagle3("--help")
     for name in ("init", "start", "stop", "status", "logs", "check-config", "run-stage"):
         assert name in out.stdout
+
+
+def test_train_is_guarded_but_force_supervises_it_like_any_stage(make_workspace):
+    cfg = make_workspace({"train": fixture_argv("exit3.py")})
+    refused = eagle3("start", "train", "--config", str(cfg))
+    assert refused.returncode == 2 and "refusing to start training: extraction is 0 % done" in refused.stderr
+    assert eagle3("start", "train", "--force", "--config", str(cfg)).returncode == 0
+    st = wait_for(lambda: (s := stage_state(cfg, "train"))["state"] == "exited" and s, what="train to exit")
+    assert st["exit_code"] == 3
+    assert status(cfg)["run"] is None, "training's end closes the run"
