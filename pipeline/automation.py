@@ -32,8 +32,9 @@ class Automation:
             proc = self.store.latest_proc(stage)
             if cfg.restart != "on-failure" or not proc or proc["stop_requested"]:
                 continue
-            died = proc["state"] == "unknown" and proc["ended_at"] or (
-                proc["state"] == "exited" and proc["exit_code"] != 0)
+            vanished = proc["state"] == "unknown" and proc["ended_at"] is not None
+            failed = proc["state"] == "exited" and proc["exit_code"] != 0
+            died = vanished or failed
             if not died:
                 continue
             key = f"restarts:{proc['run_id']}:{stage}"
