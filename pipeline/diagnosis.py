@@ -18,75 +18,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.eta import CostModel, EtaEstimator
-
-VERDICTS = ("starting", "progressing", "slow", "stalled", "stopped", "dead", "done", "unknown")
-STUCK_VERDICTS = frozenset({"stalled", "dead"})
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Thresholds; the defaults are the documented behaviour."""
-
-    stall_floor_s: float = 120.0  # never call a stall sooner than this
-    gap_multiplier: float = 3.0  # deadline = max(floor, multiplier × p99 of the stage's own gaps)
-    ceiling_s: float = 1800.0  # signs of work hold a stall off at most this long
-    startup_window_s: float = 600.0  # time allowed before the first progress
-    max_failed_share: float = 0.001
-    slow_ratio: float = 2.5  # recent work took this many times longer than the baseline predicts
-    slow_window_s: float = 600.0
-    baseline_window_s: float = 3600.0
-    activity_window_s: float = 60.0
-    cpu_busy_share: float = 0.25  # of one core
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The diagnosis of one stage at time t."""
-
-    t: float
-    stage: str
-    verdict: str
-    reasons: tuple[str, ...] = ()
-    progress_pct: float | None = None
-    eta_s: float | None = None
-    eta_low_s: float | None = None
-    eta_high_s: float | None = None
-    done: int | None = None
-    failed: int | None = None
-    total: int | None = None
-    rate_samples_per_s: float | None = None
-    rate_tokens_per_s: float | None = None
-    last_progress_at: float | None = None
-    deadline_s: float | None = None
-
-    @property
-    def stuck(self) -> bool:
-        """True for stalled and dead only."""
-        return self.verdict in STUCK_VERDICTS
-
-    def replay_json(self) -> dict:
-        """The object `eagle3 diagnose --replay --json` prints."""
-        r = lambda v, nd=1: None if v is None else round(v, nd)  # noqa: E731
-        return {"t": self.t, "stage": self.stage, "verdict": self.verdict, "stuck": self.stuck,
-                "progress_pct": r(self.progress_pct, 2), "eta_s": r(self.eta_s), "eta_low_s": r(self.eta_low_s),
-                "eta_high_s": r(self.eta_high_s), "reasons": list(self.reasons)}
-
-
-def _num(d: dict | None, key: str) -> float | None:
-    if not isinstance(d, dict):
-        return None
-    v = d.get(key)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def fmt_s(seconds: float) -> str:
-    """Seconds as '3m12s' or '2h05m' for reasons."""
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+from pipeline.verdict import (
+    Policy,
+    Verdict,
+    fmt_s,
+    gpu_busy_at_power,
+    gpu_indices,
+    gpu_pinned_low_power,
+    num,
+)
 
 
 @dataclass
@@ -136,10 +76,10 @@ class Diagnoser:
         return max(self.policy.stall_floor_s, self.policy.gap_multiplier * p99)
 
     def _track_progress(self, t: float, prog: dict | None) -> None:
-        done, failed = _num(prog, "done"), _num(prog, "failed") or 0.0
+        done, failed = num(prog, "done"), num(prog, "failed") or 0.0
         if done is None:
             return
-        processed, tokens = done + failed, _num(prog, "tokens_done")
+        processed, tokens = done + failed, num(prog, "tokens_done")
         if self.last_processed is None:
             self.last_processed, self.last_tokens = processed, tokens
             if processed > 0:
@@ -190,12 +130,12 @@ class Diagnoser:
                 share = (b.cpu_s - a.cpu_s) / (b.t - a.t)
                 if share >= self.policy.cpu_busy_share:
                     signs.append(f"CPU busy ({share * 100:.0f} % of a core)")
-        busy = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and _gpu_busy_at_power(g)]
+        busy = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_busy_at_power(g)]
         if busy:
-            signs.append(f"GPUs {_indices(busy)} busy at {max(_num(g, 'power_w') or 0 for g in busy):.0f} W")
+            signs.append(f"GPUs {gpu_indices(busy)} busy at {max(num(g, 'power_w') or 0 for g in busy):.0f} W")
         server = obs.get("server") or {}
-        if server.get("healthy") is True and (_num(server, "running_reqs") or 0) > 0:
-            signs.append(f"server healthy with {int(_num(server, 'running_reqs'))} request(s) running")
+        if server.get("healthy") is True and (num(server, "running_reqs") or 0) > 0:
+            signs.append(f"server healthy with {int(num(server, 'running_reqs'))} request(s) running")
         return signs
 
     def _stall_evidence(self, obs: dict, t: float) -> list[str]:
@@ -210,9 +150,9 @@ class Diagnoser:
                 ev.append(f"nothing written for {fmt_s(b.t - a.t)}")
         if self.unhealthy_since is not None:
             ev.append(f"server health failing for {fmt_s(t - self.unhealthy_since)}")
-        hung = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and _gpu_pinned_low_power(g)]
+        hung = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_pinned_low_power(g)]
         if hung:
-            ev.append(f"GPUs {_indices(hung)} pinned at 100 % at low power: a collective hang?")
+            ev.append(f"GPUs {gpu_indices(hung)} pinned at 100 % at low power: a collective hang?")
         if (obs.get("process") or {}).get("zombie"):
             ev.append("the process is a zombie")
         return ev
@@ -224,10 +164,10 @@ class Diagnoser:
         self.first_t = t if self.first_t is None else self.first_t
         proc, prog = obs.get("process") or {}, obs.get("progress")
         files = obs.get("files") or {}
-        written = _num(files, "bytes")
+        written = num(files, "bytes")
         if written is None:
-            written = _num(proc, "io_write_bytes")
-        self.points.append(_Point(t, None, None, _num(proc, "cpu_s"), written))
+            written = num(proc, "io_write_bytes")
+        self.points.append(_Point(t, None, None, num(proc, "cpu_s"), written))
         while self.points and self.points[0].t < t - max(self.policy.slow_window_s, self.policy.activity_window_s) - 60:
             self.points.popleft()
         self._track_progress(t, prog)
@@ -235,7 +175,7 @@ class Diagnoser:
         return self._judge(obs, t, proc, prog if isinstance(prog, dict) else {})
 
     def _base(self, t: float, prog: dict, **kw) -> Verdict:
-        done, failed, total = _num(prog, "done"), _num(prog, "failed") or 0.0, _num(prog, "total")
+        done, failed, total = num(prog, "done"), num(prog, "failed") or 0.0, num(prog, "total")
         pct = 100.0 * (done + failed) / total if done is not None and total else None
         rs, rt = self._rates(t)
         return Verdict(t=t, stage=self.stage, progress_pct=pct, done=None if done is None else int(done),
@@ -257,7 +197,7 @@ class Diagnoser:
         if proc.get("alive") is None and not prog and not obs.get("server"):
             why = (obs.get("unknown") or {}).get("process", "no process reading")
             return self._base(t, prog, verdict="unknown", reasons=(f"process state unknown: {why}",))
-        if _num(prog, "done") is None:
+        if num(prog, "done") is None:
             return self._judge_without_progress(obs, t, prog)
         return self._judge_progress(obs, t, prog)
 
@@ -271,7 +211,7 @@ class Diagnoser:
         if code != 0:
             how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
             return self._base(t, prog, verdict="dead", reasons=(how,))
-        done, failed, total = _num(prog, "done"), _num(prog, "failed") or 0.0, _num(prog, "total")
+        done, failed, total = num(prog, "done"), num(prog, "failed") or 0.0, num(prog, "total")
         if done is None or not total:
             return self._base(t, prog, verdict="done", reasons=("exited 0",), eta_s=0.0)
         if done + failed < total:
@@ -325,10 +265,10 @@ class Diagnoser:
         return self._base(t, prog, verdict="stalled", reasons=(f"{what} ({deadline})", *evidence))
 
     def _eta(self, prog: dict) -> dict:
-        done, failed, total = _num(prog, "done"), _num(prog, "failed") or 0.0, _num(prog, "total")
+        done, failed, total = num(prog, "done"), num(prog, "failed") or 0.0, num(prog, "total")
         if done is None or not total:
             return {}
-        tok_total, tok_done = _num(prog, "tokens_total"), _num(prog, "tokens_done")
+        tok_total, tok_done = num(prog, "tokens_total"), num(prog, "tokens_done")
         tokens_left = tok_total - tok_done if tok_total is not None and tok_done is not None else None
         est = self.eta.estimate(samples_left=total - done - failed, tokens_left=tokens_left)
         return {} if est is None else {"eta_s": est.eta_s, "eta_low_s": est.low_s, "eta_high_s": est.high_s}
@@ -362,25 +302,6 @@ class Diagnoser:
         if self.slow:
             return f"recent work took {ratio:.1f}× as long as this stage's own earlier rate predicts"
         return None
-
-
-def _gpu_busy_at_power(g: dict) -> bool:
-    util, power, limit = _num(g, "util"), _num(g, "power_w"), _num(g, "power_limit_w")
-    if util is None or power is None:
-        return False
-    return util >= 50 and power >= (0.5 * limit if limit else 150.0)
-
-
-def _gpu_pinned_low_power(g: dict) -> bool:
-    # Ranks deadlocked in a collective spin at ~100 % "utilization" while drawing little power.
-    util, power, limit = _num(g, "util"), _num(g, "power_w"), _num(g, "power_limit_w")
-    if util is None or power is None:
-        return False
-    return util >= 95 and power < (0.3 * limit if limit else 120.0)
-
-
-def _indices(gpus: list[dict]) -> str:
-    return ",".join(str(g.get("index", "?")) for g in gpus)
 
 
 def diagnose(history: list[dict], *, stage: str | None = None, policy: Policy | None = None) -> Verdict | None:

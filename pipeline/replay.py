@@ -6,7 +6,8 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from pipeline.diagnosis import Diagnoser, Policy, Verdict
+from pipeline.diagnosis import Diagnoser
+from pipeline.verdict import Policy, Verdict
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from pipeline.config import STAGE_NAMES, Workspace
-from pipeline.diagnosis import Diagnoser, Policy, Verdict
+from pipeline.diagnosis import Diagnoser
 from pipeline.probes import Reading, unknown
 from pipeline.probes.disk import projected_need, read_disk
 from pipeline.probes.files import FileScanner
@@ -23,6 +23,7 @@ from pipeline.probes.progress import LogProgress, read_manifest, read_train_prog
 from pipeline.probes.server import ServerProbe
 from pipeline.store import Store
 from pipeline.supervisor import Supervisor
+from pipeline.verdict import Policy, Verdict
 
 HISTORY_S = 7200.0  # history replayed into a fresh diagnoser after a restart
 

@@ -4,9 +4,10 @@ import math
 
 import pytest
 
-from pipeline.diagnosis import Diagnoser, Policy, diagnose
+from pipeline.diagnosis import Diagnoser, diagnose
 from pipeline.etabench import eta_errors
 from pipeline.simtrace import Scenario, simulate, standard_scenarios
+from pipeline.verdict import Policy
 
 SCENARIOS = {sc.name: sc for sc in standard_scenarios()}
 

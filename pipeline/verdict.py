@@ -1,0 +1,93 @@
+"""Verdicts, their thresholds, and the small evidence helpers diagnosis uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VERDICTS = ("starting", "progressing", "slow", "stalled", "stopped", "dead", "done", "unknown")
+STUCK_VERDICTS = frozenset({"stalled", "dead"})
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Thresholds; the defaults are the documented behaviour."""
+
+    stall_floor_s: float = 120.0  # never call a stall sooner than this
+    gap_multiplier: float = 3.0  # deadline = max(floor, multiplier × p99 of the stage's own gaps)
+    ceiling_s: float = 1800.0  # signs of work hold a stall off at most this long
+    startup_window_s: float = 600.0  # time allowed before the first progress
+    max_failed_share: float = 0.001
+    slow_ratio: float = 2.5  # recent work took this many times longer than the baseline predicts
+    slow_window_s: float = 600.0
+    baseline_window_s: float = 3600.0
+    activity_window_s: float = 60.0
+    cpu_busy_share: float = 0.25  # of one core
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The diagnosis of one stage at time t."""
+
+    t: float
+    stage: str
+    verdict: str
+    reasons: tuple[str, ...] = ()
+    progress_pct: float | None = None
+    eta_s: float | None = None
+    eta_low_s: float | None = None
+    eta_high_s: float | None = None
+    done: int | None = None
+    failed: int | None = None
+    total: int | None = None
+    rate_samples_per_s: float | None = None
+    rate_tokens_per_s: float | None = None
+    last_progress_at: float | None = None
+    deadline_s: float | None = None
+
+    @property
+    def stuck(self) -> bool:
+        """True for stalled and dead only."""
+        return self.verdict in STUCK_VERDICTS
+
+    def replay_json(self) -> dict:
+        """The object `eagle3 diagnose --replay --json` prints."""
+        r = lambda v, nd=1: None if v is None else round(v, nd)  # noqa: E731
+        return {"t": self.t, "stage": self.stage, "verdict": self.verdict, "stuck": self.stuck,
+                "progress_pct": r(self.progress_pct, 2), "eta_s": r(self.eta_s), "eta_low_s": r(self.eta_low_s),
+                "eta_high_s": r(self.eta_high_s), "reasons": list(self.reasons)}
+
+
+def num(d: dict | None, key: str) -> float | None:
+    if not isinstance(d, dict):
+        return None
+    v = d.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def fmt_s(seconds: float) -> str:
+    """Seconds as '3m12s' or '2h05m' for reasons."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def gpu_busy_at_power(g: dict) -> bool:
+    util, power, limit = num(g, "util"), num(g, "power_w"), num(g, "power_limit_w")
+    if util is None or power is None:
+        return False
+    return util >= 50 and power >= (0.5 * limit if limit else 150.0)
+
+
+def gpu_pinned_low_power(g: dict) -> bool:
+    # Ranks deadlocked in a collective spin at ~100 % "utilization" while drawing little power.
+    util, power, limit = num(g, "util"), num(g, "power_w"), num(g, "power_limit_w")
+    if util is None or power is None:
+        return False
+    return util >= 95 and power < (0.3 * limit if limit else 120.0)
+
+
+def gpu_indices(gpus: list[dict]) -> str:
+    return ",".join(str(g.get("index", "?")) for g in gpus)
