@@ -160,7 +160,8 @@ def cmd_run_stage(args) -> int:
 def cmd_serve(args) -> int:
     from bot.service import serve
     from pipeline.config import find_config
-    return serve(load_workspace(find_config(args.config)), max_ticks=args.max_ticks)
+    return serve(load_workspace(find_config(args.config)), max_ticks=args.max_ticks,
+                 http_port=args.port if args.http else None, host=args.host)
 
 
 @command("diagnose", "verdicts: of the live workspace, or --replay a recorded observation trace")
@@ -284,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p["logs"].add_argument("stage", choices=STAGE_NAMES)
     p["logs"].add_argument("-n", type=int, default=50, help="lines to show (default 50)")
     p["serve"].add_argument("--max-ticks", type=int, default=None, help="exit after N ticks (scripts, tests)")
+    p["serve"].add_argument("--http", action="store_true", help="serve Slack's HTTP events at /slack/events (signed)")
+    p["serve"].add_argument("--port", type=int, default=3000, help="port for --http (default 3000; 0: any)")
+    p["serve"].add_argument("--host", default="127.0.0.1", help="address for --http (default 127.0.0.1)")
     p["diagnose"].add_argument("--replay", metavar="FILE", help="observation JSONL to replay ('-' for stdin)")
     p["diagnose"].add_argument("--json", action="store_true", help="one JSON object per processed line")
     p["export-trace"].add_argument("--stage", choices=STAGE_NAMES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -28,9 +29,14 @@ class ConsoleEvents:
                 print(line, file=self.out, flush=True)
 
 
-def serve(ws: Workspace, *, max_ticks: int | None = None) -> int:
-    """Run until SIGTERM/SIGINT (or `max_ticks`)."""
+def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None = None,
+          host: str = "127.0.0.1") -> int:
+    """Run until SIGTERM/SIGINT (or `max_ticks`); with `http_port`, also Slack's HTTP events."""
     monitor = Monitor(ws=ws, on_tick=ConsoleEvents())
+    transport = "console transport (no Slack tokens)"
+    server = None
+    if http_port is not None:
+        server, transport = _start_http(ws, host, http_port)
 
     def stop(_signum, _frame):
         monitor.stop()
@@ -38,8 +44,25 @@ def serve(ws: Workspace, *, max_ticks: int | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-    print(f"eagle3 serve: monitoring {ws.path} every {ws.config.monitor.tick_s:g} s; "
-          "console transport (no Slack tokens); Ctrl-C to stop", flush=True)
-    monitor.run(max_ticks=max_ticks)
+    print(f"eagle3 serve: monitoring {ws.path} every {ws.config.monitor.tick_s:g} s; {transport}; "
+          "Ctrl-C to stop", flush=True)
+    try:
+        monitor.run(max_ticks=max_ticks)
+    finally:
+        if server:
+            server.shutdown()
     print("eagle3 serve: stopped (stages keep running)", flush=True)
     return 0
+
+
+def _start_http(ws: Workspace, host: str, port: int):
+    from bot.app import build_app, serve_http
+    from pipeline.errors import UserError
+
+    secret = os.environ.get("SLACK_SIGNING_SECRET")
+    if not secret:
+        raise UserError("serve --http: set SLACK_SIGNING_SECRET (from the Slack app's Basic Information page)")
+    app = build_app(ws=ws, token=os.environ.get("SLACK_BOT_TOKEN", ""), signing_secret=secret,
+                    api_url=os.environ.get("SLACK_API_URL"))
+    server = serve_http(app, host=host, port=port)
+    return server, f"Slack HTTP events on http://{host}:{server.server_address[1]}/slack/events"

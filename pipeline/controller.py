@@ -167,7 +167,14 @@ class Controller:
                 "total", "rate_samples_per_s", "rate_tokens_per_s", "last_progress_at")
         fields = {k: v.get(k) for k in keys}
         fields["observed_at"] = v.get("t")
+        obs = self.store.latest_observation(stage) or {}
+        fields.update({k: obs.get(k) for k in ("gpus", "server", "disk")})
         return fields
+
+    def state_version(self) -> str:
+        """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""
+        handoff = self.store.get("handoff") or {}
+        return f"{self.store.current_run()}:{handoff.get('step', 'off')}"
 
     def logs(self, stage: str, *, lines: int = 50) -> tuple[Path, list[str]]:
         """The last lines of a stage's log."""

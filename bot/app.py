@@ -1,0 +1,91 @@
+"""The Bolt app factory (sync `App`, no module-level app) and the HTTP transport."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from urllib.parse import parse_qsl
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from slack_bolt import App
+from slack_bolt.adapter.wsgi import SlackRequestHandler
+from slack_sdk import WebClient
+from slack_sdk.http_retry.builtin_handlers import RateLimitErrorRetryHandler
+
+from handlers import buttons, slash
+from pipeline.config import Workspace
+from pipeline.controller import Controller
+
+log = logging.getLogger("eagle3.bot")
+DEFAULT_API_URL = "https://slack.com/api/"
+
+
+def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | None = None) -> App:
+    """A Bolt app whose listeners call controller verbs; SLACK_API_URL may point it elsewhere."""
+    base = (api_url or DEFAULT_API_URL).rstrip("/") + "/"
+    client = WebClient(token=token, base_url=base)
+    client.retry_handlers.append(RateLimitErrorRetryHandler(max_retry_count=3))
+    app = App(client=client, signing_secret=signing_secret, token_verification_enabled=False,
+              process_before_response=True)
+
+    def controller_factory() -> Controller:
+        return Controller(workspace=ws)  # one sqlite connection per request thread
+
+    slash.register(app, controller_factory=controller_factory, ws=ws)
+    buttons.register(app, controller_factory=controller_factory, ws=ws)
+
+    @app.error
+    def on_error(error, body, logger):  # a listener bug: logged (no tokens), never shown as a traceback
+        logger.error("listener failed: %s: %s", type(error).__name__, error)
+
+    return app
+
+
+def _malformed(body: bytes) -> str | None:
+    """Why a Slack request body cannot be parsed, or None (Bolt itself raises on these)."""
+    try:
+        text = body.decode("utf-8")
+        if text.startswith("{"):
+            json.loads(text)
+        elif "payload=" in text:
+            payload = dict(parse_qsl(text, keep_blank_values=True)).get("payload", "")
+            if not isinstance(json.loads(payload), dict):
+                return "payload is not a JSON object"
+    except (UnicodeDecodeError, ValueError) as exc:
+        return f"malformed request body ({type(exc).__name__})"
+    return None
+
+
+class GuardedHandler:
+    """WSGI wrapper: a malformed body gets 400 (Bolt's parser would raise and drop the connection).
+
+    The signature is checked first by Bolt for well-formed bodies; a malformed body is
+    refused before any listener runs, so nothing it says can act.
+    """
+
+    def __init__(self, app: App) -> None:
+        self.inner = SlackRequestHandler(app)
+
+    def __call__(self, environ, start_response):
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+        body = environ["wsgi.input"].read(length) if length else b""
+        environ["wsgi.input"] = io.BytesIO(body)
+        why = _malformed(body) if environ.get("REQUEST_METHOD") == "POST" else None
+        if why:
+            start_response("400 Bad Request", [("Content-Type", "text/plain; charset=utf-8")])
+            return [why.encode()]
+        return self.inner(environ, start_response)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, fmt, *args):
+        log.info("http: " + fmt, *args)
+
+
+def serve_http(app: App, *, host: str = "127.0.0.1", port: int = 3000):
+    """Serve Slack's HTTP events at /slack/events in a thread; returns the server (port 0: any)."""
+    server = make_server(host, port, GuardedHandler(app), handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="slack-http", daemon=True).start()
+    return server

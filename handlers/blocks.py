@@ -1,0 +1,127 @@
+"""Block Kit views (built with slack_sdk's models), within Slack's limits, with fallback text."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from slack_sdk.models.blocks import (
+    ActionsBlock,
+    ButtonElement,
+    ContextBlock,
+    MarkdownTextObject,
+    SectionBlock,
+)
+
+from handlers.views import ago
+
+SECTION_LIMIT = 3000
+ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER = "eagle3_autostart_on", "eagle3_autostart_off", "eagle3_later"
+
+
+def bar(pct: float, width: int = 20) -> str:
+    """A text progress bar."""
+    filled = int(round(width * max(0.0, min(100.0, pct)) / 100))
+    return "█" * filled + "░" * (width - filled)
+
+
+def answer(stage: str, st: dict) -> str:
+    """The one-sentence answer to "is it stuck?"."""
+    v, pct, eta = st.get("verdict"), st.get("progress_pct"), st.get("eta_s")
+    where = f" — {pct:.1f} % done" if pct is not None else ""
+    left = f", about {ago(eta)} to go" if eta else ""
+    return {
+        "progressing": f"Not stuck: {stage} is alive and progressing{where}{left}.",
+        "slow": f"Not stuck, but slow: {stage} is progressing below its own earlier rate{where}{left}.",
+        "starting": f"Starting: {stage} has not finished its first unit of work yet.",
+        "stalled": f"Stuck: {stage} has made no progress past its learned deadline, with no sign of work.",
+        "dead": f"Dead: {stage} ended abnormally{where}.",
+        "done": f"Done: {stage} finished and its output is complete.",
+        "stopped": f"Stopped on request: {stage} is not running, as asked.",
+    }.get(v, f"Unknown: the readings needed for {stage} are unavailable.")
+
+
+def _focus(status: dict) -> tuple[str, dict]:
+    stages = status["stages"]
+    for name in ("train", "extract", "server"):
+        if stages[name]["state"] == "running":
+            return name, stages[name]
+    for name in ("train", "extract", "server"):
+        if stages[name]["state"] != "not-started":
+            return name, stages[name]
+    return "extract", stages["extract"]
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= SECTION_LIMIT else text[: SECTION_LIMIT - 1] + "…"
+
+
+def _details(name: str, st: dict, now: float) -> list[str]:
+    lines = []
+    if st.get("progress_pct") is not None and st.get("total"):
+        processed = (st.get("done") or 0) + (st.get("failed") or 0)
+        failed = st.get("failed") or 0
+        lines.append(f"`{bar(st['progress_pct'])}` {st['progress_pct']:.1f} % ({processed:,} / {st['total']:,}), "
+                     f"failed {failed:,} ({100 * failed / st['total']:.2g} %)")
+    rates = []
+    if st.get("rate_samples_per_s"):
+        rates.append(f"{st['rate_samples_per_s']:.2f} samples/s")
+    if st.get("rate_tokens_per_s"):
+        rates.append(f"{st['rate_tokens_per_s']:,.0f} tokens/s")
+    if st.get("eta_s") is not None:
+        rates.append(f"ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))}), "
+                     f"about {time.strftime('%H:%M', time.localtime(now + st['eta_s']))}")
+    if st.get("last_progress_at"):
+        rates.append(f"last progress {ago(now - st['last_progress_at'])} ago")
+    if rates:
+        lines.append(" · ".join(rates))
+    gpus = st.get("gpus") or []
+    if gpus:
+        lines.append("GPUs: " + ", ".join(
+            f"{g['index']}: {g['util']:.0f} %, {g['mem_used_mb'] / 1024:.0f} GB"
+            + (f" ({', '.join(g['holders'])})" if g.get("holders") else "")
+            for g in gpus if g.get("util") is not None and g.get("mem_used_mb") is not None)
+            + " — idle GPUs alone are not a stall")
+    disk = st.get("disk") or {}
+    if disk.get("free_bytes") is not None:
+        fit = {True: "the run fits", False: "*the run will not fit*", None: "need unknown"}[disk.get("fits")]
+        lines.append(f"disk: {disk['free_bytes'] / 1e12:.2f} TB free, {fit}")
+    server = st.get("server") or {}
+    if server.get("healthy") is not None:
+        lines.append(f"server activity (not progress): {'healthy' if server['healthy'] else 'health check failing'}"
+                     + (f", {server['running_reqs']:.0f} running" if server.get("running_reqs") is not None else "")
+                     + (f", counter {server['requests_total']:,.0f} requests" if server.get("requests_total") else ""))
+    return lines
+
+
+def status_blocks(status: dict, *, version: str, now: float | None = None) -> tuple[str, list]:
+    """(fallback text, blocks) for `/eagle3 status`."""
+    now = now or time.time()
+    name, st = _focus(status)
+    headline = f"*Run {status['run'] or '(none open)'}* — {name}: *{st.get('verdict') or st['state']}*"
+    sentence = answer(name, st) if st["state"] != "not-started" else "Nothing is running yet."
+    blocks = [SectionBlock(text=MarkdownTextObject(text=_clip(f"{headline}\n{sentence}")))]
+    details = _details(name, st, now)
+    if details:
+        blocks.append(SectionBlock(text=MarkdownTextObject(text=_clip("\n".join(details)))))
+    auto = status.get("autostart", "off")
+    blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(
+        f"auto-start: {auto}" + (f" — {status.get('autostart_reason')}" if auto != "off" else "")))]))
+    value = json.dumps({"v": version})
+    buttons = ([ButtonElement(text="Cancel auto-start", action_id=ACTION_CANCEL, value=value, style="danger")]
+               if auto not in ("off", "failed", "cancelled", "training-running") else
+               [ButtonElement(text="Auto-start training when extraction finishes", action_id=ACTION_AUTOSTART,
+                              value=value, style="primary")])
+    buttons.append(ButtonElement(text="Check back later", action_id=ACTION_LATER, value=value))
+    blocks.append(ActionsBlock(elements=buttons))
+    return f"{name}: {st.get('verdict') or st['state']} — {sentence}", [b.to_dict() for b in blocks]
+
+
+def decision_blocks(text: str) -> list:
+    """What a message becomes after a button is used: who chose what and when, no buttons."""
+    return [SectionBlock(text=MarkdownTextObject(text=_clip(text))).to_dict()]
+
+
+def text_blocks(text: str) -> list:
+    """A plain answer as one section."""
+    return decision_blocks(text)

@@ -1,0 +1,92 @@
+"""`/eagle3 …`: acknowledged at once, one controller verb, a view. No probe runs here."""
+
+from __future__ import annotations
+
+import os
+
+from handlers.auth import MUTATING, redact, refusal
+from handlers.blocks import status_blocks, text_blocks
+from handlers.views import ago, autostart_text, train_guard_text, verdict_line
+from pipeline.errors import UserError
+
+HELP = ("*/eagle3* commands: `status` (default) · `stuck` · `eta` · `gpus` · `logs STAGE` · `train` · "
+        "`autostart on|off` · `later 30m|1h|eta` · `help`")
+MAX_TEXT = 200
+
+
+def parse(text: str) -> tuple[str, list[str]]:
+    """(verb, args) of the command text; unknown or over-long text is `help`."""
+    words = (text or "").strip().lower().split()
+    if len(text or "") > MAX_TEXT or not words:
+        return ("status", []) if not words else ("help", [])
+    verb, args = words[0], words[1:]
+    if verb == "autostart" and args[:1] in (["on"], ["off"]):
+        return f"autostart {args[0]}", []
+    known = {"status", "stuck", "eta", "gpus", "logs", "train", "later", "help"}
+    return (verb, args) if verb in known else ("help", [])
+
+
+def register(app, *, controller_factory, ws) -> None:
+    """Attach the /eagle3 listener."""
+
+    @app.command("/eagle3")
+    def eagle3(ack, command):
+        verb, args = parse(command.get("text", ""))
+        user, channel = command.get("user_id", "?"), command.get("channel_id")
+        why = refusal(ws.config.slack, user=user, channel=channel, mutating=verb in MUTATING)
+        ctl = controller_factory()
+        try:
+            if why:
+                ctl.store.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="refused", detail=why)
+                return ack(text=why, blocks=text_blocks(f":no_entry: {why}"))
+            try:
+                text, blocks = answer(ctl, verb, args, user=user)
+            except UserError as exc:
+                text, blocks = str(exc), text_blocks(str(exc))
+            if verb in MUTATING:
+                ctl.store.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="done", detail=text[:200])
+            ack(text=text, blocks=blocks)
+        finally:
+            ctl.close()
+
+
+def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
+    """(fallback text, blocks) for one verb."""
+    status = ctl.status(sample_if_unmonitored=False)
+    if verb == "status":
+        return status_blocks(status, version=ctl.state_version())
+    if verb in ("stuck", "eta"):
+        lines = [f"*{n}*: {st['state']}\n{verdict_line(n, st).strip()}" for n, st in status["stages"].items()
+                 if st["state"] != "not-started"]
+        text = "\n".join(lines) or "Nothing has been started."
+        return text, text_blocks(text)
+    if verb == "gpus":
+        gpus = next((st.get("gpus") for st in status["stages"].values() if st.get("gpus")), None)
+        text = "GPUs: " + (", ".join(f"{g['index']}: {g['util']:.0f} %, {g['mem_used_mb']:.0f} MB"
+                                     for g in gpus if g.get("util") is not None) if gpus else "no reading yet")
+        return text, text_blocks(text)
+    if verb == "logs":
+        stage = args[0] if args and args[0] in ("server", "extract", "train") else "extract"
+        _, lines = ctl.logs(stage, lines=30)
+        secrets = [os.environ.get(k, "") for k in ("SLACK_BOT_TOKEN", "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET")]
+        body = redact("\n".join(lines), secrets)[-2800:] or "(no output yet)"
+        return f"last lines of {stage}", text_blocks(f"*{stage}* log:\n```{body}```")
+    if verb == "train":
+        from pipeline.controller import TrainGuardError
+
+        try:
+            proc = ctl.start("train", by=f"slack:{user}")
+        except TrainGuardError as exc:
+            text = train_guard_text(exc.completion)
+            _, blocks = status_blocks(status, version=ctl.state_version())
+            return text, text_blocks(text) + blocks[-1:]
+        return f"training started (pid {proc['pid']})", text_blocks(f"training started (pid {proc['pid']})")
+    if verb.startswith("autostart"):
+        on = verb.endswith("on")
+        text = autostart_text(on, ctl.autostart(on, by=f"slack:{user}"))
+        return text, text_blocks(text)
+    if verb == "later":
+        r = ctl.remind(args[0] if args else "1h", by=f"slack:{user}")
+        text = f"I'll post the status again in {ago(r['due_at'] - r['created_at'])}."
+        return text, text_blocks(text)
+    return HELP, text_blocks(HELP)

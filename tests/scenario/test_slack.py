@@ -1,0 +1,165 @@
+"""The Slack app over real signed HTTP, against a fake Slack Web API."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import sqlite3
+import time
+from urllib.parse import urlencode
+
+import httpx
+import pytest
+from slack_sdk.models.blocks import Block
+
+from bot.app import build_app, serve_http
+from pipeline.config import load_workspace
+from tests.conftest import eagle3, fixture_argv, wait_for
+from tests.scenario.fake_slack import FakeSlack
+
+pytestmark = pytest.mark.timeout(120)
+SECRET = "test-signing-secret"
+
+
+@pytest.fixture
+def slack(tmp_path):
+    """A workspace whose extraction stopped at 40 of 100, the app on port 0, and a fake Slack."""
+    out = tmp_path / "out"
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(f'[slack]\nallowed_user_ids = ["UOK"]\n[stages.extract]\nout = "out"\n'
+                   f'argv = {json.dumps(fixture_argv("fake_extract.py", str(out), "100", "0", "40"))}\n'
+                   f'[stages.train]\nargv = {json.dumps(fixture_argv("sleeper.py"))}\n')
+    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+    wait_for(lambda: json.loads(eagle3("status", "--json", "--config", str(cfg)).stdout)["stages"]["extract"]
+             .get("verdict") == "dead", what="extraction to stop at 40 %")
+    fake = FakeSlack()
+    app = build_app(ws=load_workspace(cfg), token="xoxb-test", signing_secret=SECRET, api_url=fake.url + "/api/")
+    server = serve_http(app, port=0)
+    url = f"http://127.0.0.1:{server.server_address[1]}/slack/events"
+    yield {"url": url, "fake": fake, "cfg": cfg}
+    server.shutdown()
+    fake.close()
+    eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
+
+
+def signed(url: str, body: str, *, secret: str = SECRET, ts: int | None = None, sign: bool = True) -> httpx.Response:
+    ts = int(time.time()) if ts is None else ts
+    headers = {"Content-Type": "application/x-www-form-urlencoded"}
+    if sign:
+        digest = hmac.new(secret.encode(), f"v0:{ts}:{body}".encode(), hashlib.sha256).hexdigest()
+        headers.update({"X-Slack-Request-Timestamp": str(ts), "X-Slack-Signature": f"v0={digest}"})
+    return httpx.post(url, content=body, headers=headers, timeout=10)
+
+
+def command(env, text: str, *, user: str = "UOK", channel: str = "C1") -> httpx.Response:
+    body = urlencode({"command": "/eagle3", "text": text, "user_id": user, "user_name": "op", "channel_id": channel,
+                      "team_id": "T1", "response_url": env["fake"].url + "/respond/1", "trigger_id": "1.2",
+                      "api_app_id": "A1"})
+    return signed(env["url"], body)
+
+
+def click(env, action_id: str, value: str, *, user: str = "UOK", ephemeral: bool = False) -> httpx.Response:
+    payload = {"type": "block_actions", "user": {"id": user}, "channel": {"id": "C1"}, "team": {"id": "T1"},
+               "api_app_id": "A1", "response_url": env["fake"].url + "/respond/2", "trigger_id": "1.3",
+               "container": {"type": "message", "message_ts": "1790000000.000100", "channel_id": "C1",
+                             "is_ephemeral": ephemeral},
+               "actions": [{"action_id": action_id, "block_id": "b", "value": value, "type": "button"}]}
+    return signed(env["url"], urlencode({"payload": json.dumps(payload)}))
+
+
+def audit(cfg) -> list[tuple]:
+    conn = sqlite3.connect(cfg.parent / ".eagle3" / "state.sqlite")
+    rows = conn.execute("SELECT user, channel, action, outcome FROM audit ORDER BY id").fetchall()
+    conn.close()
+    return rows
+
+
+def test_status_is_block_kit_within_limits(slack):
+    r = command(slack, "")
+    assert r.status_code == 200
+    msg = r.json()
+    assert "extract: dead" in msg["text"]
+    for b in msg["blocks"]:
+        assert Block.parse(b).to_dict() == b  # valid for slack_sdk's models
+    assert len(msg["blocks"]) <= 50
+    text = json.dumps(msg)
+    assert "40.0 % (40 / 100)" in text and "Auto-start training when extraction finishes" in text
+
+
+@pytest.mark.parametrize("how", ["wrong-secret", "stale", "unsigned"])
+def test_bad_signatures_are_401(slack, how):
+    body = urlencode({"command": "/eagle3", "text": "status", "user_id": "UOK", "channel_id": "C1"})
+    r = {"wrong-secret": lambda: signed(slack["url"], body, secret="nope"),
+         "stale": lambda: signed(slack["url"], body, ts=int(time.time()) - 600),
+         "unsigned": lambda: signed(slack["url"], body, sign=False)}[how]()
+    assert r.status_code == 401
+
+
+def test_malformed_payload_is_400_not_a_dropped_connection(slack):
+    r = signed(slack["url"], "payload=%7Bnot-json")
+    assert r.status_code == 400 and "malformed" in r.text
+
+
+def test_train_at_40_percent_is_refused_with_the_numbers(slack):
+    msg = command(slack, "train").json()
+    assert "extraction is 40.0 % done (40 / 100)" in msg["text"]
+    assert any(b["type"] == "actions" for b in msg["blocks"]), "offers auto-start"
+    assert ("slack:UOK", "C1", "train", "done") in audit(slack["cfg"])
+
+
+def test_mutations_need_an_allowed_user_and_are_audited(slack):
+    msg = command(slack, "autostart on", user="UNOPE").json()
+    assert "is not allowed" in msg["text"] and "allowed_user_ids" in msg["text"]
+    assert json.loads(eagle3("status", "--json", "--config", str(slack["cfg"])).stdout)["autostart"] == "off"
+    assert ("slack:UNOPE", "C1", "autostart on", "refused") in audit(slack["cfg"])
+    assert command(slack, "stuck", user="UNOPE").status_code == 200  # read-only: anyone
+
+
+def test_unknown_and_overlong_text_get_help(slack):
+    assert "commands:" in command(slack, "rm -rf /").json()["text"]
+    assert "commands:" in command(slack, "status " + "x" * 500).json()["text"]
+
+
+def test_button_double_click_is_one_state_change_and_updates_the_message(slack):
+    blocks = command(slack, "status").json()["blocks"]
+    button = next(e for b in blocks if b["type"] == "actions" for e in b["elements"]
+                  if e["action_id"] == "eagle3_autostart_on")
+    assert click(slack, "eagle3_autostart_on", button["value"]).status_code == 200
+    assert click(slack, "eagle3_autostart_on", button["value"]).status_code == 200
+    fake = slack["fake"]
+    wait_for(lambda: fake.of("chat.update") and fake.of("response_url"), what="update and stale answer")
+    update = fake.of("chat.update")[0]
+    assert update["ts"] == "1790000000.000100" and "chose *Auto-start training*" in update["text"]
+    assert "out of date" in fake.of("response_url")[0]["text"]
+    rows = audit(slack["cfg"])
+    assert rows.count(("slack:UOK", "C1", "Auto-start training", "done")) == 1
+    assert ("slack:UOK", "C1", "Auto-start training", "stale") in rows
+
+
+def test_serve_http_end_to_end(slack):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = dict(os.environ, SLACK_SIGNING_SECRET=SECRET, SLACK_BOT_TOKEN="xoxb-test",
+               SLACK_API_URL=slack["fake"].url + "/api/")
+    proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--http", "--port", "0", "--config",
+                             str(slack["cfg"])], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        banner = ""
+        while "Slack HTTP events on " not in banner:  # Bolt may log a warning line first
+            banner = proc.stdout.readline()
+            assert banner, "serve exited before its banner"
+        url = banner.split("Slack HTTP events on ")[1].split(";")[0]
+        other = {**slack, "url": url}
+        assert "extract: dead" in command(other, "status").json()["text"]
+        assert signed(url, "text=status", secret="wrong").status_code == 401
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    missing = eagle3("serve", "--http", "--config", str(slack["cfg"]), env={"SLACK_SIGNING_SECRET": ""})
+    assert missing.returncode == 2 and "set SLACK_SIGNING_SECRET" in missing.stderr
