@@ -32,8 +32,16 @@ class ConsoleEvents:
 def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None = None,
           host: str = "127.0.0.1") -> int:
     """Run until SIGTERM/SIGINT (or `max_ticks`); with `http_port`, also Slack's HTTP events."""
-    monitor = Monitor(ws=ws, on_tick=ConsoleEvents())
-    transport = "console transport (no Slack tokens)"
+    console, notifier = ConsoleEvents(), _notifier(ws)
+
+    def on_tick(store, results) -> None:
+        console(store, results)
+        if notifier:
+            notifier.tick(store)
+
+    monitor = Monitor(ws=ws, on_tick=on_tick)
+    transport = "console transport (no Slack tokens)" if not notifier else f"posting to {ws.config.slack.channel}"
+    scheduler = _schedule_status_posts(ws, notifier) if notifier else None
     server = None
     if http_port is not None:
         server, transport = _start_http(ws, host, http_port)
@@ -51,6 +59,8 @@ def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None 
     finally:
         if server:
             server.shutdown()
+        if scheduler:
+            scheduler.shutdown(wait=False)
     print("eagle3 serve: stopped (stages keep running)", flush=True)
     return 0
 
@@ -66,3 +76,45 @@ def _start_http(ws: Workspace, host: str, port: int):
                     api_url=os.environ.get("SLACK_API_URL"))
     server = serve_http(app, host=host, port=port)
     return server, f"Slack HTTP events on http://{host}:{server.server_address[1]}/slack/events"
+
+
+def _notifier(ws: Workspace):
+    """A Slack notifier when SLACK_BOT_TOKEN and a channel are set; else None (console only)."""
+    token = os.environ.get("SLACK_BOT_TOKEN")
+    if not token:
+        return None
+    from slack_sdk import WebClient
+    from slack_sdk.http_retry.builtin_handlers import RateLimitErrorRetryHandler
+
+    from bot.app import DEFAULT_API_URL
+    from bot.notifier import Notifier
+
+    client = WebClient(token=token, base_url=(os.environ.get("SLACK_API_URL") or DEFAULT_API_URL).rstrip("/") + "/",
+                       timeout=10)
+    client.retry_handlers.append(RateLimitErrorRetryHandler(max_retry_count=3))
+    notifier = Notifier(ws=ws, client=client)
+    return notifier if notifier.channel else None
+
+
+def _schedule_status_posts(ws: Workspace, notifier):
+    """APScheduler 3.x: one status post per run, updated in place every post_interval_min (and at start)."""
+    from datetime import datetime
+
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from pipeline.controller import Controller
+
+    def post() -> None:
+        ctl = Controller(workspace=ws)
+        try:
+            status = ctl.status(sample_if_unmonitored=False)
+            if status["run"]:
+                notifier.post_status(ctl.store, status, ctl.state_version())
+        finally:
+            ctl.close()
+
+    scheduler = BackgroundScheduler(job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 60})
+    scheduler.add_job(post, "interval", minutes=ws.config.slack.post_interval_min, id="status-post",
+                      replace_existing=True, next_run_time=datetime.now())
+    scheduler.start()
+    return scheduler

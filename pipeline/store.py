@@ -50,6 +50,18 @@ def m002_observations(db: Database) -> None:
     db["observations"].create_index(["stage", "t"])
 
 
+@migrations()
+def m003_outbox(db: Database) -> None:
+    # A message is stored here before it is sent and marked sent after the chat service accepts it.
+    db["outbox"].create(
+        {"id": int, "t": float, "channel": str, "kind": str, "text": str, "blocks": str, "update_key": str,
+         "thread_key": str, "status": str, "attempts": int, "next_try": float, "last_error": str, "sent_at": float,
+         "ts": str},
+        pk="id",
+    )
+    db["outbox"].create_index(["status", "id"])
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
@@ -187,6 +199,19 @@ class Store:
             "DELETE FROM observations WHERE t < ? AND id NOT IN (SELECT MIN(id) FROM observations WHERE t < ? "
             "GROUP BY stage, CAST(t / ? AS INTEGER))", [now - keep_all_s, now - keep_all_s, bucket_s])
         return cur.rowcount
+
+    # --- outbox -------------------------------------------------------------------
+    def enqueue(self, *, channel: str, kind: str, text: str, blocks: list | None = None,
+                update_key: str | None = None, thread_key: str | None = None) -> int:
+        """Store an outgoing message (delivered in id order per channel)."""
+        return self.db["outbox"].insert({
+            "t": self.clock(), "channel": channel, "kind": kind, "text": text, "blocks": json.dumps(blocks or []),
+            "update_key": update_key, "thread_key": thread_key, "status": "pending", "attempts": 0,
+            "next_try": 0.0}).last_pk
+
+    def pending_messages(self) -> list[dict]:
+        """Undelivered messages, oldest first."""
+        return list(self.db["outbox"].rows_where("status = 'pending'", order_by="id"))
 
     # --- events and audit ---------------------------------------------------
     def add_event(self, *, kind: str, run_id: str | None = None, stage: str | None = None, data: dict | None = None) -> int:

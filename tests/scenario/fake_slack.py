@@ -13,6 +13,7 @@ class FakeSlack:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict]] = []
+        self.fail: dict[str, int] = {}  # method -> how many of its next calls answer 500
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -23,8 +24,15 @@ class FakeSlack:
                 except ValueError:
                     params = {"raw": raw}
                 method = self.path.rsplit("/", 1)[-1] if self.path.startswith("/api/") else "response_url"
+                if fake.fail.get(method, 0) > 0:  # an injected outage: nothing is recorded as delivered
+                    fake.fail[method] -= 1
+                    self.send_response(500)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 fake.calls.append((method, params))
-                body = json.dumps({"ok": True, "channel": params.get("channel"), "ts": "1790000000.000100"}).encode()
+                ts = f"1790000000.{len(fake.calls):06d}"
+                body = json.dumps({"ok": True, "channel": params.get("channel"), "ts": ts}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))

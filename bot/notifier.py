@@ -1,0 +1,137 @@
+"""Events → outbox → Slack. Nothing is lost across a restart or an outage.
+
+Each event worth posting becomes an outbox row in the same transaction that moves
+the notifier's cursor past it; a row is marked sent only after Slack accepts it.
+Delivery keeps order per channel, paces at about one message a second, and backs
+off on errors; a 429 is honoured by slack_sdk's RateLimitErrorRetryHandler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError
+
+from handlers.alerts import event_message, message_blocks, milestone_text
+from handlers.blocks import status_blocks
+from pipeline.config import PLACEHOLDER, Workspace
+from pipeline.store import Store
+
+log = logging.getLogger("eagle3.notifier")
+MILESTONES = (25, 50, 75, 100)
+RETRYABLE = {"internal_error", "fatal_error", "service_unavailable", "request_timeout", "ratelimited"}
+
+
+class Notifier:
+    """One per service; `tick(store)` from the monitor's thread."""
+
+    def __init__(self, *, ws: Workspace, client: WebClient, clock=time.time, cooldown_s: float = 1800.0,
+                 pace_s: float = 1.0) -> None:
+        self.ws, self.client, self.clock = ws, client, clock
+        self.cooldown_s, self.pace_s = cooldown_s, pace_s
+        channel = ws.config.slack.channel
+        self.channel = channel if channel and not PLACEHOLDER.search(channel) else None
+        self.last_sent: dict[str, float] = {}
+
+    def tick(self, store: Store) -> None:
+        """Collect new events, add milestone replies, deliver what is pending."""
+        if not self.channel:
+            return
+        self.collect(store)
+        self.milestones(store)
+        self.deliver(store)
+
+    def collect(self, store: Store) -> None:
+        after = store.get("notifier_after")
+        if after is None:  # first start: history is in `/eagle3 status`, not re-posted
+            events = store.events()
+            store.put("notifier_after", events[-1]["id"] if events else 0)
+            return
+        for event in store.events(after_id=after):
+            msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids)
+            with store.atomic():
+                if msg and not self._duplicate(store, event, msg[0]):
+                    kind, text, thread = msg
+                    store.enqueue(channel=self.channel, kind=kind, text=text, blocks=message_blocks(text),
+                                  thread_key=f"status:{event['run_id']}" if thread and event["run_id"] else None)
+                store.put("notifier_after", event["id"])
+
+    def _duplicate(self, store: Store, event: dict, kind: str) -> bool:
+        """Alerts repeat at most once per cooldown for the same stage and cause."""
+        if kind != "alert":
+            return False
+        key = f"alerted:{event.get('stage')}:{event['data'].get('to') or event['data'].get('reason', '')[:40]}"
+        last = store.get(key)
+        if last is not None and self.clock() - last < self.cooldown_s:
+            return True
+        store.put(key, self.clock())
+        return False
+
+    def milestones(self, store: Store) -> None:
+        """25/50/75/100 % of extraction, once each per run, as replies in the run's thread."""
+        v = store.get("verdict:extract") or {}
+        run, pct = v.get("run"), v.get("progress_pct")
+        if not run or pct is None:
+            return
+        passed = store.get(f"milestones:{run}", [])
+        for m in MILESTONES:
+            if pct >= m and m not in passed:
+                passed.append(m)
+                store.enqueue(channel=self.channel, kind="milestone", text=milestone_text("extract", m),
+                              thread_key=f"status:{run}")
+        store.put(f"milestones:{run}", passed)
+
+    def post_status(self, store: Store, status: dict, version: str) -> None:
+        """Enqueue the run's status message; delivery updates it in place after the first post."""
+        if not self.channel:
+            return
+        text, blocks = status_blocks(status, version=version)
+        store.enqueue(channel=self.channel, kind="status", text=text, blocks=blocks,
+                      update_key=f"status:{status['run']}")
+
+    def deliver(self, store: Store) -> None:
+        blocked: set[str] = set()
+        for m in store.pending_messages():
+            ch = m["channel"]
+            if ch in blocked:
+                continue  # keep order per channel
+            if m["next_try"] > self.clock() or self.clock() - self.last_sent.get(ch, 0.0) < self.pace_s:
+                blocked.add(ch)
+                continue
+            try:
+                ts = self._send(store, m)
+            except SlackApiError as exc:
+                self._failed(store, m, exc.response.get("error") or str(exc.response.status_code),
+                             retry=exc.response.status_code >= 500 or exc.response.get("error") in RETRYABLE)
+                blocked.add(ch)
+                continue
+            except OSError as exc:  # network: retry with backoff
+                self._failed(store, m, type(exc).__name__, retry=True)
+                blocked.add(ch)
+                continue
+            self.last_sent[ch] = self.clock()
+            with store.atomic():
+                store.db["outbox"].update(m["id"], {"status": "sent", "sent_at": self.clock(), "ts": ts})
+                if m["update_key"] and store.get(f"ts:{m['update_key']}") is None:
+                    store.put(f"ts:{m['update_key']}", ts)
+
+    def _send(self, store: Store, m: dict) -> str:
+        blocks = json.loads(m["blocks"]) or None
+        existing = store.get(f"ts:{m['update_key']}") if m["update_key"] else None
+        if existing:
+            self.client.chat_update(channel=m["channel"], ts=existing, text=m["text"], blocks=blocks)
+            return existing
+        thread = store.get(f"ts:{m['thread_key']}") if m["thread_key"] else None
+        r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks, thread_ts=thread)
+        return r.get("ts")
+
+    def _failed(self, store: Store, m: dict, error: str, *, retry: bool) -> None:
+        attempts = m["attempts"] + 1
+        log.warning("slack delivery of message %s failed (%s); %s", m["id"], error,
+                    "will retry" if retry else "giving up")
+        store.db["outbox"].update(m["id"], {
+            "attempts": attempts, "last_error": error, "status": "pending" if retry else "failed",
+            "next_try": self.clock() + min(300.0, 2.0 ** attempts)})

@@ -1,0 +1,49 @@
+"""What each event becomes in Slack: alerts, recoveries, handoff steps, milestones, reminders."""
+
+from __future__ import annotations
+
+from handlers.blocks import decision_blocks
+from handlers.views import ago
+
+ALARM = frozenset({"stalled", "dead"})
+
+
+def mention(user_ids: list[str]) -> str:
+    """@-mentions of the on-call users."""
+    return " ".join(f"<@{u}>" for u in user_ids)
+
+
+def event_message(event: dict, *, oncall: list[str]) -> tuple[str, str, str | None] | None:
+    """(kind, text, thread_key) for an event worth posting, else None. thread_key: reply in the run's thread."""
+    d, kind, stage = event["data"], event["kind"], event.get("stage")
+    if kind == "verdict":
+        to, frm = d.get("to"), d.get("from")
+        evidence = "\n".join(f"• {r}" for r in d.get("reasons") or [])
+        if to in ALARM:
+            return "alert", f":rotating_light: {mention(oncall)} *{stage} is {to}*\n{evidence}", None
+        if frm in ALARM and to in ("progressing", "slow", "starting"):
+            return "recovery", f":white_check_mark: {stage} recovered: {frm} → {to}", None
+        if to == "done":
+            return "done", f":tada: {stage} is done\n{evidence}", "run"
+        return None  # a requested stop, a start, progressing ↔ slow: no message
+    if kind == "handoff":
+        return "handoff", f"auto-start: *{d['step']}* — {d['reason']}", "run"
+    if kind in ("handoff-alert", "restart-limit"):
+        return "alert", f":rotating_light: {mention(oncall)} {d['reason']}", None
+    if kind == "stage-restart":
+        return "restart", f"{stage} restarted (attempt {d['attempt']} of {d['limit']}) after: {d['reason']}", "run"
+    if kind == "reminder":
+        parts = [f"{s}: {v['verdict']}" + (f" {v['progress_pct']:.1f} %" if v.get("progress_pct") is not None else "")
+                 + (f", about {ago(v['eta_s'])} to go" if v.get("eta_s") else "") for s, v in d["status"].items()]
+        return "reminder", f"<@{d['by'].removeprefix('slack:')}> checking back as asked: " + "; ".join(parts), None
+    return None
+
+
+def milestone_text(stage: str, pct: int) -> str:
+    """A milestone reply."""
+    return f"{stage} passed {pct} %"
+
+
+def message_blocks(text: str) -> list:
+    """Blocks for an event message."""
+    return decision_blocks(text)

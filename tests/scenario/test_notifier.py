@@ -1,0 +1,103 @@
+"""The outbox: alerts, dedup, in-place status posts, nothing lost across an outage or a restart."""
+
+from __future__ import annotations
+
+import pytest
+from slack_sdk import WebClient
+
+from bot.notifier import Notifier
+from pipeline.config import Workspace, parse_config
+from pipeline.store import Store
+from tests.scenario.fake_slack import FakeSlack
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def env(tmp_path):
+    fake = FakeSlack()
+    ws = Workspace(config=parse_config('[slack]\nchannel = "C1"\noncall_user_ids = ["UONCALL"]\n', name="e.toml"),
+                   path=tmp_path / "eagle3.toml")
+    clock = {"t": 1_790_000_000.0}
+    store = Store(ws.store_path, clock=lambda: clock["t"])
+
+    def notifier():
+        return Notifier(ws=ws, client=WebClient(token="xoxb-test", base_url=fake.url + "/api/"),
+                        clock=lambda: clock["t"], pace_s=0.0)
+
+    yield {"fake": fake, "store": store, "clock": clock, "notifier": notifier}
+    store.close()
+    fake.close()
+
+
+def verdict(store, stage, frm, to, reasons=("no progress for 3m10s",)):
+    store.add_event(kind="verdict", run_id="r1", stage=stage, data={"from": frm, "to": to, "reasons": list(reasons)})
+
+
+def test_alert_mentions_oncall_and_is_deduplicated(env):
+    n, store = env["notifier"](), env["store"]
+    n.tick(store)  # first start: history is not re-posted
+    verdict(store, "extract", "progressing", "stalled", ("no progress for 3m10s", "CPU time flat"))
+    verdict(store, "extract", "stalled", "progressing")
+    verdict(store, "extract", "progressing", "stalled")  # again within the cooldown
+    verdict(store, "server", "progressing", "stopped")  # a requested stop is never an alert
+    n.tick(store)
+    texts = [c["text"] for c in env["fake"].of("chat.postMessage")]
+    assert len(texts) == 2
+    assert "<@UONCALL> *extract is stalled*" in texts[0] and "CPU time flat" in texts[0]
+    assert "recovered: stalled → progressing" in texts[1]
+    env["clock"]["t"] += 3600
+    verdict(store, "extract", "progressing", "stalled")
+    n.tick(store)
+    assert len(env["fake"].of("chat.postMessage")) == 3, "after the cooldown the alert repeats"
+
+
+def test_outage_then_everything_delivered_in_order(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    fake.fail["chat.postMessage"] = 5
+    for i in range(4):
+        store.enqueue(channel="C1", kind="test", text=f"message {i}")
+    for _ in range(12):
+        n.tick(store)
+        env["clock"]["t"] += 60
+    assert [c["text"] for c in fake.of("chat.postMessage")] == [f"message {i}" for i in range(4)]
+    assert store.pending_messages() == []
+
+
+def test_pending_messages_survive_a_restart(env):
+    store, fake = env["store"], env["fake"]
+    env["notifier"]().tick(store)
+    fake.fail["chat.postMessage"] = 1
+    store.enqueue(channel="C1", kind="test", text="before the crash")
+    env["notifier"]().tick(store)  # fails once; the service then dies
+    env["clock"]["t"] += 60
+    env["notifier"]().tick(store)  # a new process delivers it
+    assert [c["text"] for c in fake.of("chat.postMessage")] == ["before the crash"]
+
+
+def test_status_post_is_updated_in_place_and_steps_go_in_its_thread(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    status = {"run": "r1", "autostart": "off", "stages": {s: {"state": "not-started"} for s in
+                                                          ("server", "extract", "train")}}
+    n.post_status(store, status, "r1:off")
+    n.tick(store)
+    store.add_event(kind="handoff", run_id="r1", data={"step": "stopping-server", "reason": "verified complete"})
+    n.post_status(store, status, "r1:off")
+    n.tick(store)
+    posts, updates = fake.of("chat.postMessage"), fake.of("chat.update")
+    first_ts = store.get("ts:status:r1")
+    assert len(updates) == 1 and updates[0]["ts"] == first_ts
+    reply = next(p for p in posts if "stopping-server" in p["text"])
+    assert reply["thread_ts"] == first_ts
+
+
+def test_milestones_once_each(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    for pct in (10.0, 26.0, 27.0, 80.0):
+        store.put("verdict:extract", {"run": "r1", "progress_pct": pct})
+        n.tick(store)
+    assert [c["text"] for c in fake.of("chat.postMessage")] == [
+        "extract passed 25 %", "extract passed 50 %", "extract passed 75 %"]
