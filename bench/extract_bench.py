@@ -102,7 +102,7 @@ def run(*, full: bool = True) -> list[str]:
     w, j, o = write_path(full), json_decode(full), occupancy(full)
     return ["## Extraction client (issue 4)", "",
             "| measure | figure | target |", "|---|---|---|",
-            f"| write path: encode + write + fsync + rename of {w['file_mb']:.0f} MB bf16 files (H = 7,168) | "
+            f"| write path: safetensors save_file to a temp name + fsync + rename of {w['file_mb']:.0f} MB bf16 files (H = 7,168) | "
             f"{w['ours_mb_s']:.0f} MB/s vs `dd … conv=fdatasync` {w['dd_mb_s']:.0f} MB/s on the same disk = "
             f"{100 * w['ratio']:.0f} % (medians of 5 alternating rounds; per round ours/dd MB/s: "
             + ", ".join(f"{a / 1e6:.0f}/{b / 1e6:.0f}" for a, b in w["rounds"]) + ") | ≥ 80 % |",

@@ -53,5 +53,5 @@ def run(*, full: bool = True) -> list[str]:
     for r in results:
         lines.append(f"| {r['nproc']} | {r['wall_s']:.1f} s | {steps / r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['kl'][0]:.2f} → {r['kl'][1]:.3f} |")
-    return lines + ["", "Two processes share this machine's 2 cores with nothing else; the figure is the toy's, not a "
+    return lines + ["", "Two processes share this machine's 2 cores; the figure is the toy's, not a "
                     "GPU draft's.", ""]
