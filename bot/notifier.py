@@ -15,7 +15,13 @@ import time
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError
 
-from handlers.alerts import event_message, message_blocks, milestone_text
+from handlers.alerts import (
+    alert_buttons,
+    escalation_text,
+    event_message,
+    message_blocks,
+    milestone_text,
+)
 from handlers.blocks import status_blocks
 from pipeline.config import PLACEHOLDER, Workspace
 from pipeline.store import Store
@@ -29,9 +35,9 @@ class Notifier:
     """One per service; `tick(store)` from the monitor's thread."""
 
     def __init__(self, *, ws: Workspace, client: WebClient, clock=time.time, cooldown_s: float = 1800.0,
-                 pace_s: float = 1.0) -> None:
+                 pace_s: float = 1.0, escalate_s: float = 1800.0) -> None:
         self.ws, self.client, self.clock = ws, client, clock
-        self.cooldown_s, self.pace_s = cooldown_s, pace_s
+        self.cooldown_s, self.pace_s, self.escalate_s = cooldown_s, pace_s, escalate_s
         channel = ws.config.slack.channel
         self.channel = channel if channel and not PLACEHOLDER.search(channel) else None
         self.last_sent: dict[str, float] = {}
@@ -41,6 +47,7 @@ class Notifier:
         if not self.channel:
             return
         self.collect(store)
+        self.escalate(store)
         self.milestones(store)
         self.deliver(store)
 
@@ -55,20 +62,38 @@ class Notifier:
             with store.atomic():
                 if msg and not self._duplicate(store, event, msg[0]):
                     kind, text, thread = msg
-                    store.enqueue(channel=self.channel, kind=kind, text=text, blocks=message_blocks(text),
+                    stage = event.get("stage")
+                    blocks = message_blocks(text) + (alert_buttons(stage) if kind == "alert" and stage else [])
+                    store.enqueue(channel=self.channel, kind=kind, text=text, blocks=blocks,
                                   thread_key=f"status:{event['run_id']}" if thread and event["run_id"] else None)
                 store.put("notifier_after", event["id"])
 
     def _duplicate(self, store: Store, event: dict, kind: str) -> bool:
-        """Alerts repeat at most once per cooldown for the same stage and cause."""
+        """Alerts repeat at most once per cooldown for the same stage and cause, and not while snoozed."""
         if kind != "alert":
             return False
+        if (store.get(f"snooze:{event.get('stage')}") or 0) > self.clock():
+            return True
         key = f"alerted:{event.get('stage')}:{event['data'].get('to') or event['data'].get('reason', '')[:40]}"
         last = store.get(key)
         if last is not None and self.clock() - last < self.cooldown_s:
             return True
         store.put(key, self.clock())
         return False
+
+    def escalate(self, store: Store) -> None:
+        """One reminder when a stage is still stalled `escalate_s` after its alert."""
+        for stage in ("server", "extract", "train"):
+            v = store.get(f"verdict:{stage}") or {}
+            alerted = store.get(f"alerted:{stage}:stalled")
+            key = f"escalated:{stage}:{alerted}"
+            if v.get("verdict") != "stalled" or alerted is None or store.get(key):
+                continue
+            if self.clock() - alerted >= self.escalate_s and (store.get(f"snooze:{stage}") or 0) <= self.clock():
+                store.put(key, True)
+                text = escalation_text(stage, self.clock() - alerted, self.ws.config.slack.oncall_user_ids)
+                store.enqueue(channel=self.channel, kind="alert", text=text,
+                              blocks=message_blocks(text) + alert_buttons(stage))
 
     def milestones(self, store: Store) -> None:
         """25/50/75/100 % of extraction, once each per run, as replies in the run's thread."""

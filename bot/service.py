@@ -43,8 +43,11 @@ def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None 
     transport = "console transport (no Slack tokens)" if not notifier else f"posting to {ws.config.slack.channel}"
     scheduler = _schedule_status_posts(ws, notifier) if notifier else None
     server = None
+    socket_mode = None
     if http_port is not None:
         server, transport = _start_http(ws, host, http_port)
+    elif os.environ.get("SLACK_APP_TOKEN"):
+        socket_mode, transport = _start_socket_mode(ws)
 
     def stop(_signum, _frame):
         monitor.stop()
@@ -61,6 +64,8 @@ def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None 
             server.shutdown()
         if scheduler:
             scheduler.shutdown(wait=False)
+        if socket_mode:
+            socket_mode.close()
     print("eagle3 serve: stopped (stages keep running)", flush=True)
     return 0
 
@@ -118,3 +123,20 @@ def _schedule_status_posts(ws: Workspace, notifier):
                       replace_existing=True, next_run_time=datetime.now())
     scheduler.start()
     return scheduler
+
+
+def _start_socket_mode(ws: Workspace):
+    """Socket Mode: no inbound port (SLACK_APP_TOKEN, xapp-…, with connections:write)."""
+    from slack_bolt.adapter.socket_mode import SocketModeHandler
+
+    from bot.app import build_app
+    from pipeline.errors import UserError
+
+    token = os.environ.get("SLACK_BOT_TOKEN")
+    if not token:
+        raise UserError("Socket Mode needs SLACK_BOT_TOKEN as well as SLACK_APP_TOKEN")
+    app = build_app(ws=ws, token=token, signing_secret=os.environ.get("SLACK_SIGNING_SECRET", "unused-in-socket-mode"),
+                    api_url=os.environ.get("SLACK_API_URL"))
+    handler = SocketModeHandler(app, os.environ["SLACK_APP_TOKEN"])
+    handler.connect()
+    return handler, "Slack Socket Mode"

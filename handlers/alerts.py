@@ -6,6 +6,7 @@ from handlers.blocks import decision_blocks
 from handlers.views import ago
 
 ALARM = frozenset({"stalled", "dead"})
+ACTION_LOGS, ACTION_SNOOZE = "eagle3_show_logs", "eagle3_snooze"
 
 
 def mention(user_ids: list[str]) -> str:
@@ -28,7 +29,7 @@ def event_message(event: dict, *, oncall: list[str]) -> tuple[str, str, str | No
         return None  # a requested stop, a start, progressing ↔ slow: no message
     if kind == "handoff":
         return "handoff", f"auto-start: *{d['step']}* — {d['reason']}", "run"
-    if kind in ("handoff-alert", "restart-limit"):
+    if kind in ("handoff-alert", "restart-limit", "condition-alert"):
         return "alert", f":rotating_light: {mention(oncall)} {d['reason']}", None
     if kind == "stage-restart":
         return "restart", f"{stage} restarted (attempt {d['attempt']} of {d['limit']}) after: {d['reason']}", "run"
@@ -37,6 +38,20 @@ def event_message(event: dict, *, oncall: list[str]) -> tuple[str, str, str | No
                  + (f", about {ago(v['eta_s'])} to go" if v.get("eta_s") else "") for s, v in d["status"].items()]
         return "reminder", f"<@{d['by'].removeprefix('slack:')}> checking back as asked: " + "; ".join(parts), None
     return None
+
+
+def escalation_text(stage: str, since_s: float, oncall: list[str]) -> str:
+    """The one reminder when a stage is still stalled."""
+    return f":rotating_light: {mention(oncall)} *{stage} is still stalled* after {ago(since_s)}; nobody has fixed it yet"
+
+
+def alert_buttons(stage: str) -> list:
+    """Show logs / Snooze 1 h under an alert."""
+    from slack_sdk.models.blocks import ActionsBlock, ButtonElement
+
+    return [ActionsBlock(elements=[
+        ButtonElement(text="Show logs", action_id=ACTION_LOGS, value=stage),
+        ButtonElement(text="Snooze 1 h", action_id=ACTION_SNOOZE, value=stage)]).to_dict()]
 
 
 def milestone_text(stage: str, pct: int) -> str:

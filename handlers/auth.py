@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-MUTATING = frozenset({"autostart on", "autostart off", "train", "later"})
+MUTATING = frozenset({"autostart on", "autostart off", "train", "later", "stop", "restart"})
 _SECRETS = [re.compile(r"xox[abposr]-[0-9A-Za-z-]+"), re.compile(r"xapp-[0-9A-Za-z-]+"),
             re.compile(r"(?i)(authorization:\s*)(bearer\s+)?\S+"), re.compile(r"(?i)(signing[_-]?secret\S*\s*[=:]\s*)\S+")]
 

@@ -125,3 +125,14 @@ def decision_blocks(text: str) -> list:
 def text_blocks(text: str) -> list:
     """A plain answer as one section."""
     return decision_blocks(text)
+
+
+ACTION_CONFIRM, ACTION_KEEP = "eagle3_confirm", "eagle3_keep"
+
+
+def confirm_blocks(verb: str, stage: str, version: str) -> list:
+    """Confirm / keep buttons for stop and restart."""
+    value = json.dumps({"v": version, "verb": verb, "stage": stage})
+    return [ActionsBlock(elements=[
+        ButtonElement(text=f"{verb.capitalize()} {stage}", action_id=ACTION_CONFIRM, value=value, style="danger"),
+        ButtonElement(text="Keep it running", action_id=ACTION_KEEP, value=value)]).to_dict()]

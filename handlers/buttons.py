@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
+from handlers.alerts import ACTION_LOGS, ACTION_SNOOZE
 from handlers.auth import refusal
-from handlers.blocks import ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER, decision_blocks
+from handlers.blocks import (
+    ACTION_AUTOSTART,
+    ACTION_CANCEL,
+    ACTION_CONFIRM,
+    ACTION_KEEP,
+    ACTION_LATER,
+    decision_blocks,
+)
 from handlers.views import autostart_text
 
-LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later"}
+LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later",
+          ACTION_CONFIRM: "Confirm", ACTION_KEEP: "Keep it running", ACTION_SNOOZE: "Snooze 1 h"}
 
 
 def register(app, *, controller_factory, ws) -> None:
@@ -24,7 +34,8 @@ def register(app, *, controller_factory, ws) -> None:
         ctl = controller_factory()
         try:
             why = refusal(ws.config.slack, user=user, channel=channel, mutating=True)
-            if why is None and _version(action) != ctl.state_version():
+            stale = action_id not in (ACTION_SNOOZE,) and _version(action) != ctl.state_version()
+            if why is None and stale:
                 why = "this message is out of date (the run or auto-start changed since); run `/eagle3 status` again"
                 outcome = "stale"
             else:
@@ -33,7 +44,13 @@ def register(app, *, controller_factory, ws) -> None:
                 ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS.get(action_id, action_id),
                                 outcome=outcome, detail=why)
                 return respond(text=why, response_type="ephemeral", replace_original=False)
-            result = _act(ctl, action_id, user)
+            if action_id == ACTION_CONFIRM:
+                ctl.store.audit(user=f"slack:{user}", channel=channel, action=_describe(action), outcome="confirmed")
+                threading.Thread(target=_stop_later, args=(controller_factory, action, user, respond),
+                                 daemon=True).start()  # the grace period is far longer than Slack's 3 s
+                result = f"{_describe(action)} requested; I'll report when it is done"
+            else:
+                result = _act(ctl, action_id, action, user)
             ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
                             detail=result)
         finally:
@@ -48,6 +65,23 @@ def register(app, *, controller_factory, ws) -> None:
     for action_id in LABELS:
         app.action(action_id)(handle)
 
+    @app.action(ACTION_LOGS)
+    def show_logs(ack, body, respond):  # read-only: anyone in an allowed channel
+        ack()
+        from handlers.slash import answer
+
+        stage = ((body.get("actions") or [{}])[0].get("value")) or "extract"
+        channel = (body.get("channel") or {}).get("id")
+        why = refusal(ws.config.slack, user=(body.get("user") or {}).get("id", "?"), channel=channel, mutating=False)
+        if why:
+            return respond(text=why, response_type="ephemeral", replace_original=False)
+        ctl = controller_factory()
+        try:
+            text, blocks = answer(ctl, "logs", [stage], user="")
+        finally:
+            ctl.close()
+        respond(text=text, blocks=blocks, response_type="ephemeral", replace_original=False)
+
 
 def _version(action: dict) -> str | None:
     try:
@@ -56,7 +90,37 @@ def _version(action: dict) -> str | None:
         return None
 
 
-def _act(ctl, action_id: str, user: str) -> str:
+def _describe(action: dict) -> str:
+    try:
+        v = json.loads(action.get("value") or "{}")
+    except ValueError:
+        v = {}
+    return f"{v.get('verb', '?')} {v.get('stage', '?')}"
+
+
+def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
+    from handlers.views import stop_text
+
+    v = json.loads(action["value"])
+    ctl = controller_factory()
+    try:
+        result = stop_text(ctl.stop(v["stage"]))
+        if v["verb"] == "restart":
+            proc = ctl.start(v["stage"], by=f"slack:{user}")
+            result += f"; started again (pid {proc['pid']})"
+    except Exception as exc:  # noqa: BLE001 - reported in Slack as one line
+        result = f"{_describe(action)} failed: {exc}"
+    finally:
+        ctl.close()
+    respond(text=result, response_type="in_channel", replace_original=False)
+
+
+def _act(ctl, action_id: str, action: dict, user: str) -> str:
+    if action_id == ACTION_KEEP:
+        return f"kept running ({_describe(action)} not done)"
+    if action_id == ACTION_SNOOZE:
+        until = ctl.snooze(action.get("value") or "extract", by=f"slack:{user}")
+        return f"alerts about {action.get('value')} snoozed until {time.strftime('%H:%M', time.localtime(until))}"
     if action_id == ACTION_LATER:
         r = ctl.remind("eta" if (ctl.store.get("verdict:extract") or {}).get("eta_s") else "1h", by=f"slack:{user}")
         return f"reminder at {time.strftime('%H:%M', time.localtime(r['due_at']))}"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 
 from handlers.auth import MUTATING, redact, refusal
-from handlers.blocks import status_blocks, text_blocks
+from handlers.blocks import confirm_blocks, status_blocks, text_blocks
 from handlers.views import ago, autostart_text, train_guard_text, verdict_line
 from pipeline.errors import UserError
 
 HELP = ("*/eagle3* commands: `status` (default) · `stuck` · `eta` · `gpus` · `logs STAGE` · `train` · "
-        "`autostart on|off` · `later 30m|1h|eta` · `help`")
+        "`autostart on|off` · `later 30m|1h|eta` · `stop STAGE` · `restart STAGE` (both ask to confirm) · `help`")
 MAX_TEXT = 200
 
 
@@ -22,7 +22,7 @@ def parse(text: str) -> tuple[str, list[str]]:
     verb, args = words[0], words[1:]
     if verb == "autostart" and args[:1] in (["on"], ["off"]):
         return f"autostart {args[0]}", []
-    known = {"status", "stuck", "eta", "gpus", "logs", "train", "later", "help"}
+    known = {"status", "stuck", "eta", "gpus", "logs", "train", "later", "help", "stop", "restart"}
     return (verb, args) if verb in known else ("help", [])
 
 
@@ -85,6 +85,13 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         on = verb.endswith("on")
         text = autostart_text(on, ctl.autostart(on, by=f"slack:{user}"))
         return text, text_blocks(text)
+    if verb in ("stop", "restart"):
+        stage = args[0] if args else ""
+        if stage not in ("server", "extract", "train"):
+            text = f"`/eagle3 {verb} STAGE`: name server, extract or train"
+            return text, text_blocks(text)
+        text = f"{verb.capitalize()} *{stage}*? Its whole process group gets SIGTERM, then SIGKILL after the grace period."
+        return text, text_blocks(text) + confirm_blocks(verb, stage, ctl.state_version())
     if verb == "later":
         r = ctl.remind(args[0] if args else "1h", by=f"slack:{user}")
         text = f"I'll post the status again in {ago(r['due_at'] - r['created_at'])}."

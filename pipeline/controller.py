@@ -76,6 +76,13 @@ class Controller:
                          outcome="done" if changed else "no-op", detail=(state or {}).get("step", "off"))
         return {"changed": changed, "state": state, "monitor_running": self.monitor_running()}
 
+    def snooze(self, stage: str, *, seconds: float = 3600.0, by: str = "cli") -> float:
+        """Silence alerts about `stage` until now + seconds; returns the time they resume."""
+        self._check_stage(stage)
+        until = self.store.clock() + seconds
+        self.store.put(f"snooze:{stage}", until)
+        return until
+
     def remind(self, spec: str, *, by: str = "cli") -> dict:
         """Store a reminder due after '30m', '1h', '90s' or at the extraction 'eta'."""
         now = self.store.clock()

@@ -177,11 +177,27 @@ class Sampler:
                       "rate_samples_per_s": verdict.rate_samples_per_s, "rate_tokens_per_s": verdict.rate_tokens_per_s,
                       "last_progress_at": verdict.last_progress_at, "deadline_s": verdict.deadline_s}
             self.store.put(f"verdict:{stage}", record)
+            self._condition_events(stage, row, obs)
             if not previous or previous.get("verdict") != verdict.verdict or previous.get("proc_id") != row["id"]:
                 self.store.add_event(kind="verdict", run_id=row["run_id"], stage=stage, data={
                     "from": (previous or {}).get("verdict"), "to": verdict.verdict, "reasons": list(verdict.reasons),
                     "progress_pct": record["progress_pct"]})
         return obs, verdict
+
+    def _condition_events(self, stage: str, row: dict, obs: dict) -> None:
+        """An event the first time the run will not fit on disk, or training reports an error (NaN, exploding)."""
+        disk, prog = obs.get("disk") or {}, obs.get("progress") or {}
+        conditions = {
+            "disk": disk.get("fits") is False and (
+                f"the run will not fit on disk: {disk['need_bytes'] / 1e12:.2f} TB still to write, "
+                f"{disk['free_bytes'] / 1e12:.2f} TB free"),
+            "train-error": stage == "train" and prog.get("error") and f"training reported: {prog['error']}",
+        }
+        for name, reason in conditions.items():
+            key = f"condition:{name}:{row['id']}"
+            if reason and not self.store.get(key):
+                self.store.put(key, True)
+                self.store.add_event(kind="condition-alert", run_id=row["run_id"], stage=stage, data={"reason": reason})
 
     def _disk(self, obs: dict) -> dict | None:
         prog = obs.get("progress") or {}

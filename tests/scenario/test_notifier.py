@@ -101,3 +101,30 @@ def test_milestones_once_each(env):
         n.tick(store)
     assert [c["text"] for c in fake.of("chat.postMessage")] == [
         "extract passed 25 %", "extract passed 50 %", "extract passed 75 %"]
+
+
+def test_escalation_once_and_snooze_silences(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    verdict(store, "extract", "progressing", "stalled")
+    store.put("verdict:extract", {"verdict": "stalled", "run": "r1"})
+    n.tick(store)
+    env["clock"]["t"] += 1900
+    n.tick(store)
+    n.tick(store)
+    texts = [c["text"] for c in fake.of("chat.postMessage")]
+    assert len(texts) == 2 and "still stalled" in texts[1]
+    assert "eagle3_snooze" in str(fake.of("chat.postMessage")[0]), "an alert offers Show logs / Snooze 1 h"
+    store.put("snooze:train", env["clock"]["t"] + 3600)
+    verdict(store, "train", "progressing", "dead")
+    n.tick(store)
+    assert len(fake.of("chat.postMessage")) == 2, "a snoozed stage does not alert"
+
+
+def test_condition_alerts_become_messages(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    store.add_event(kind="condition-alert", run_id="r1", stage="extract",
+                    data={"reason": "the run will not fit on disk: 2.10 TB still to write, 1.00 TB free"})
+    n.tick(store)
+    assert "will not fit on disk" in fake.of("chat.postMessage")[0]["text"]

@@ -163,3 +163,32 @@ def test_serve_http_end_to_end(slack):
         proc.communicate(timeout=30)
     missing = eagle3("serve", "--http", "--config", str(slack["cfg"]), env={"SLACK_SIGNING_SECRET": ""})
     assert missing.returncode == 2 and "set SLACK_SIGNING_SECRET" in missing.stderr
+
+
+def value_of(blocks, action_id):
+    return next(e["value"] for b in blocks if b["type"] == "actions" for e in b["elements"] if e["action_id"] == action_id)
+
+
+def test_stop_asks_to_confirm_then_stops_the_group(slack):
+    assert eagle3("start", "train", "--force", "--config", str(slack["cfg"])).returncode == 0
+    msg = command(slack, "stop train").json()
+    assert "Stop *train*?" in msg["text"]
+    assert json.loads(eagle3("status", "--json", "--config", str(slack["cfg"])).stdout)["stages"]["train"]["state"] \
+        == "running", "nothing happens before the confirmation"
+    assert click(slack, "eagle3_confirm", value_of(msg["blocks"], "eagle3_confirm")).status_code == 200
+    wait_for(lambda: any("train: stopped" in p.get("text", "") for p in slack["fake"].of("response_url")),
+             timeout=60, what="the stop to be reported")
+    st = json.loads(eagle3("status", "--json", "--config", str(slack["cfg"])).stdout)["stages"]["train"]
+    assert st["state"] == "stopped"
+    assert ("slack:UOK", "C1", "stop train", "confirmed") in audit(slack["cfg"])
+
+
+def test_show_logs_is_redacted(slack, monkeypatch):
+    canary = "xoxb-1234567890-canary-token-value"
+    monkeypatch.setenv("SLACK_BOT_TOKEN", canary)
+    with open(slack["cfg"].parent / ".eagle3" / "logs" / "extract.log", "a") as fh:
+        fh.write(f"debug: using token {canary}\nAuthorization: Bearer sekret-value\n")
+    assert click(slack, "eagle3_show_logs", "extract").status_code == 200
+    posted = wait_for(lambda: slack["fake"].of("response_url"), what="the log excerpt")[0]
+    text = json.dumps(posted)
+    assert "sample 40/100" in text and canary not in text and "sekret-value" not in text and "[redacted]" in text
