@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 from handlers.auth import MUTATING, redact, refusal
 from handlers.blocks import confirm_blocks, status_blocks, text_blocks
@@ -30,7 +31,7 @@ def register(app, *, controller_factory, ws) -> None:
     """Attach the /eagle3 listener."""
 
     @app.command("/eagle3")
-    def eagle3(ack, command):
+    def eagle3(ack, command, respond):
         verb, args = parse(command.get("text", ""))
         user, channel = command.get("user_id", "?"), command.get("channel_id")
         why = refusal(ws.config.slack, user=user, channel=channel, mutating=verb in MUTATING)
@@ -39,6 +40,12 @@ def register(app, *, controller_factory, ws) -> None:
             if why:
                 ctl.store.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="refused", detail=why)
                 return ack(text=why, blocks=text_blocks(f":no_entry: {why}"))
+            if verb == "train" and _complete_cheaply(ctl):
+                # Verification opens sample files: too slow for Slack's 3 s, so it runs after the ack.
+                threading.Thread(target=_train_later, args=(controller_factory, user, respond), daemon=True).start()
+                ctl.store.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="accepted")
+                text = "extraction looks complete: verifying sample files, then starting training…"
+                return ack(text=text, blocks=text_blocks(text))
             try:
                 text, blocks = answer(ctl, verb, args, user=user)
             except UserError as exc:
@@ -48,6 +55,23 @@ def register(app, *, controller_factory, ws) -> None:
             ack(text=text, blocks=blocks)
         finally:
             ctl.close()
+
+
+def _complete_cheaply(ctl) -> bool:
+    from pipeline import completion
+
+    return completion.check(ctl.ws, ctl.store, run_verify=False).complete
+
+
+def _train_later(controller_factory, user: str, respond) -> None:
+    ctl = controller_factory()
+    try:
+        text, _ = answer(ctl, "train", [], user=user)
+    except Exception as exc:  # noqa: BLE001 - reported in Slack as one line
+        text = f"training did not start: {exc}"
+    finally:
+        ctl.close()
+    respond(text=text, response_type="in_channel", replace_original=False)
 
 
 def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:

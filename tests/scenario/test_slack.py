@@ -184,7 +184,7 @@ def test_stop_asks_to_confirm_then_stops_the_group(slack):
 
 
 def test_show_logs_is_redacted(slack, monkeypatch):
-    canary = "xoxb-1234567890-canary-token-value"
+    canary = "-".join(["xoxb", "1234567890", "canary", "token", "value"])  # built here: no token-like literal
     monkeypatch.setenv("SLACK_BOT_TOKEN", canary)
     with open(slack["cfg"].parent / ".eagle3" / "logs" / "extract.log", "a") as fh:
         fh.write(f"debug: using token {canary}\nAuthorization: Bearer sekret-value\n")
@@ -192,3 +192,26 @@ def test_show_logs_is_redacted(slack, monkeypatch):
     posted = wait_for(lambda: slack["fake"].of("response_url"), what="the log excerpt")[0]
     text = json.dumps(posted)
     assert "sample 40/100" in text and canary not in text and "sekret-value" not in text and "[redacted]" in text
+
+
+def test_train_on_a_complete_looking_run_verifies_after_the_ack(tmp_path):
+    out = tmp_path / "out"
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(f'[slack]\nallowed_user_ids = ["UOK"]\n[handoff]\nverify_sample = 5\n[stages.extract]\nout = "out"\n'
+                   f'argv = {json.dumps(fixture_argv("fake_extract.py", str(out), "20", "0"))}\n'
+                   f'[stages.train]\nargv = {json.dumps(fixture_argv("sleeper.py"))}\n')
+    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+    wait_for(lambda: json.loads(eagle3("status", "--json", "--config", str(cfg)).stdout)["stages"]["extract"]
+             ["state"] == "exited", what="extraction")
+    fake = FakeSlack()
+    server = serve_http(build_app(ws=load_workspace(cfg), token="xoxb-test", signing_secret=SECRET,
+                                  api_url=fake.url + "/api/"), port=0)
+    env = {"url": f"http://127.0.0.1:{server.server_address[1]}/slack/events", "fake": fake, "cfg": cfg}
+    try:
+        assert "verifying sample files" in command(env, "train").json()["text"]
+        later = wait_for(lambda: fake.of("response_url"), what="the deferred answer")[0]
+        assert "refusing to start training" in later["text"] and "verify found" in later["text"]
+    finally:
+        server.shutdown()
+        fake.close()
+        eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
