@@ -125,9 +125,12 @@ class Controller:
         """The status object of `eagle3 status --json`, from the store.
 
         With no monitor running, stages that are running are sampled once here (within
-        the probe budget) so the answer is never older than this call.
+        the probe budget) so the answer is never older than this call. With
+        `sample_if_unmonitored=False` (the Slack request path) it only reads the store:
+        the monitor keeps it current every tick.
         """
-        self.supervisor.refresh()
+        if sample_if_unmonitored:
+            self.supervisor.refresh()
         monitored = self.monitor_running()
         if not monitored and sample_if_unmonitored and any(
                 self.supervisor.is_running(s) or self._unobserved_end(s) for s in STAGE_NAMES):
