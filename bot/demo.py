@@ -62,7 +62,8 @@ def run_demo() -> int:
         ok = False
     finally:
         monitor.stop()
-        thread.join(timeout=30) if thread.is_alive() else None
+        if thread.is_alive():
+            thread.join(timeout=30)
         ctl.stop_all(grace_s=5)
         ctl.close()
     if ok:

@@ -15,14 +15,8 @@ import time
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError
 
-from handlers.alerts import (
-    alert_buttons,
-    escalation_text,
-    event_message,
-    message_blocks,
-    milestone_text,
-)
-from handlers.blocks import status_blocks
+from handlers.alerts import alert_buttons, escalation_text, event_message, milestone_text
+from handlers.blocks import status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, Workspace
 from pipeline.store import Store
 
@@ -63,7 +57,7 @@ class Notifier:
                 if msg and not self._duplicate(store, event, msg[0]):
                     kind, text, thread = msg
                     stage = event.get("stage")
-                    blocks = message_blocks(text) + (alert_buttons(stage) if kind == "alert" and stage else [])
+                    blocks = text_blocks(text) + (alert_buttons(stage) if kind == "alert" and stage else [])
                     store.enqueue(channel=self.channel, kind=kind, text=text, blocks=blocks,
                                   thread_key=f"status:{event['run_id']}" if thread and event["run_id"] else None)
                 store.put("notifier_after", event["id"])
@@ -93,7 +87,7 @@ class Notifier:
                 store.put(key, True)
                 text = escalation_text(stage, self.clock() - alerted, self.ws.config.slack.oncall_user_ids)
                 store.enqueue(channel=self.channel, kind="alert", text=text,
-                              blocks=message_blocks(text) + alert_buttons(stage))
+                              blocks=text_blocks(text) + alert_buttons(stage))
 
     def milestones(self, store: Store) -> None:
         """25/50/75/100 % of extraction, once each per run, as replies in the run's thread."""

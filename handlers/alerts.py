@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from handlers.blocks import decision_blocks
 from handlers.views import ago
 
 ALARM = frozenset({"stalled", "dead"})
@@ -57,8 +56,3 @@ def alert_buttons(stage: str) -> list:
 def milestone_text(stage: str, pct: int) -> str:
     """A milestone reply."""
     return f"{stage} passed {pct} %"
-
-
-def message_blocks(text: str) -> list:
-    """Blocks for an event message."""
-    return decision_blocks(text)

@@ -117,14 +117,9 @@ def status_blocks(status: dict, *, version: str, now: float | None = None) -> tu
     return f"{name}: {st.get('verdict') or st['state']} — {sentence}", [b.to_dict() for b in blocks]
 
 
-def decision_blocks(text: str) -> list:
-    """What a message becomes after a button is used: who chose what and when, no buttons."""
-    return [SectionBlock(text=MarkdownTextObject(text=_clip(text))).to_dict()]
-
-
 def text_blocks(text: str) -> list:
-    """A plain answer as one section."""
-    return decision_blocks(text)
+    """Text as one section: answers, event messages, and a message after its button was used."""
+    return [SectionBlock(text=MarkdownTextObject(text=_clip(text))).to_dict()]
 
 
 ACTION_CONFIRM, ACTION_KEEP = "eagle3_confirm", "eagle3_keep"

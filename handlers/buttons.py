@@ -14,7 +14,7 @@ from handlers.blocks import (
     ACTION_CONFIRM,
     ACTION_KEEP,
     ACTION_LATER,
-    decision_blocks,
+    text_blocks,
 )
 from handlers.views import autostart_text
 
@@ -58,9 +58,9 @@ def register(app, *, controller_factory, ws) -> None:
         text = f"<@{user}> chose *{LABELS[action_id]}* at {time.strftime('%H:%M')}: {result}"
         container = body.get("container") or {}
         if container.get("is_ephemeral") or not container.get("message_ts"):
-            respond(text=text, blocks=decision_blocks(text), replace_original=True)
+            respond(text=text, blocks=text_blocks(text), replace_original=True)
         else:
-            client.chat_update(channel=channel, ts=container["message_ts"], text=text, blocks=decision_blocks(text))
+            client.chat_update(channel=channel, ts=container["message_ts"], text=text, blocks=text_blocks(text))
 
     for action_id in LABELS:
         app.action(action_id)(handle)

@@ -87,7 +87,7 @@ class Extractor:
         self.server_up.set()
         self.width: int | None = None
         self.fatal: Exception | None = None
-        self._meta_cache: set[str] = set()
+        self.hidden_recorded = False
 
     # --- setup --------------------------------------------------------------------
     def prepare(self) -> tuple[ds.Dataset, Plan, Manifest, list[int]]:
@@ -133,6 +133,7 @@ class Extractor:
         data, p, manifest, todo = self.prepare()
         if "hidden_size" in manifest.meta():
             self.width = int(manifest.meta()["hidden_size"]) * p.layers
+            self.hidden_recorded = True
         self.data, self.plan, self.manifest = data, p, manifest
         self.progress = ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
                                      tokens_total=data.tokens_total)
@@ -272,9 +273,9 @@ class Extractor:
         tokens = len(job.ids) if job.ids else None
         self.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
                              attempts=job.attempts, error=None if error is None else error[:500], now=time.time())
-        if status == "done" and self.width and "hidden_size" not in self._meta_cache:
+        if status == "done" and self.width and not self.hidden_recorded:
             self.manifest.set_meta({"hidden_size": self.width // self.plan.layers})
-            self._meta_cache.add("hidden_size")
+            self.hidden_recorded = True
         self.remaining -= 1
         self.progress.add(ok=status == "done", tokens=tokens or 0)
 
