@@ -36,7 +36,8 @@ class Completion:
 
 
 def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: bool = True) -> Completion:
-    """Evaluate every condition; `run_verify` opens sample files (the slow part) only when the rest hold."""
+    """Evaluate every condition; with `run_verify` the slow ones (listing the tree, opening sample
+    files) run too, once the cheap ones hold. Without it only the store and the manifest are read."""
     out = ws.resolve(ws.stage("extract").out)
     reading = read_manifest(out, clock=store.clock)
     prog = reading.value or {}
@@ -63,9 +64,12 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
         if share > ws.config.handoff.max_failed_share:
             c.missing.append(f"{share * 100:.2g} % of samples failed, above the "
                              f"{ws.config.handoff.max_failed_share * 100:.2g} % maximum")
-    temps = _temp_files(out)
-    if temps:
-        c.missing.append(f"{temps} temp file(s) left in {out}/hidden_states")
+    # Listing the output tree and opening sample files are the slow checks (an `ls` of the
+    # incident's 3.5 TB timed out): they run only when everything cheap already holds.
+    if not c.missing and run_verify:
+        temps = _temp_files(out)
+        if temps:
+            c.missing.append(f"{temps} temp file(s) left in {out}/hidden_states")
     if not c.missing and run_verify:
         from pipeline.extract.verify import verify
 
