@@ -22,12 +22,16 @@ log = logging.getLogger("eagle3.bot")
 DEFAULT_API_URL = "https://slack.com/api/"
 
 
-def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | None = None) -> App:
-    """A Bolt app whose listeners call controller verbs; SLACK_API_URL may point it elsewhere."""
-    base = (api_url or DEFAULT_API_URL).rstrip("/") + "/"
-    client = WebClient(token=token, base_url=base)
+def slack_client(token: str, api_url: str | None = None) -> WebClient:
+    """A Web API client (SLACK_API_URL may point it elsewhere) that waits out a 429's Retry-After."""
+    client = WebClient(token=token, base_url=(api_url or DEFAULT_API_URL).rstrip("/") + "/", timeout=10)
     client.retry_handlers.append(RateLimitErrorRetryHandler(max_retry_count=3))
-    app = App(client=client, signing_secret=signing_secret, token_verification_enabled=False,
+    return client
+
+
+def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | None = None) -> App:
+    """A Bolt app whose listeners call controller verbs."""
+    app = App(client=slack_client(token, api_url), signing_secret=signing_secret, token_verification_enabled=False,
               process_before_response=True)
 
     def controller_factory() -> Controller:

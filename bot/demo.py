@@ -16,14 +16,14 @@ import threading
 import time
 from pathlib import Path
 
-from bot.service import ConsoleEvents
-from handlers.views import ago
+from bot.service import console_notifier
 from pipeline.config import load_workspace
 from pipeline.controller import Controller
 from pipeline.demo_workspace import write_demo_workspace
 from pipeline.monitor import Monitor
 
 TIMEOUT_S = 170.0
+POST_EVERY_S = 8.0
 
 
 def _say(text: str) -> None:
@@ -39,7 +39,8 @@ def run_demo() -> int:
     cfg = write_demo_workspace(root)
     ws = load_workspace(cfg)
     ctl = Controller(workspace=ws)
-    monitor = Monitor(ws=ws, on_tick=ConsoleEvents(since_t=time.time()))
+    notifier = console_notifier(ws)
+    monitor = Monitor(ws=ws, on_tick=lambda store, _results: notifier.tick(store))
     thread = threading.Thread(target=monitor.run, name="monitor", daemon=True)
     started = time.time()
     try:
@@ -56,7 +57,7 @@ def run_demo() -> int:
         _say("3. arming auto-start instead; the monitor takes it from here")
         ctl.autostart(True, by="demo")
         thread.start()
-        ok = _wait_for_training(ctl)
+        ok = _wait_for_training(ctl, notifier)
     except KeyboardInterrupt:
         _say("interrupted: stopping everything the demo started")
         ok = False
@@ -72,18 +73,17 @@ def run_demo() -> int:
     return 0 if ok else 1
 
 
-def _wait_for_training(ctl: Controller) -> bool:
+def _wait_for_training(ctl: Controller, notifier) -> bool:
+    """Post the status message (updated in place, as in Slack) every few seconds until training ends."""
     deadline = time.monotonic() + TIMEOUT_S
     last_post = 0.0
     while time.monotonic() < deadline:
         time.sleep(0.5)
         st = ctl.status(sample_if_unmonitored=False)
         ex = st["stages"]["extract"]
-        if time.monotonic() - last_post >= 5 and ex.get("verdict") in ("progressing", "slow") and ex.get("progress_pct"):
+        if time.monotonic() - last_post >= POST_EVERY_S and ex.get("verdict") in ("progressing", "slow"):
             last_post = time.monotonic()
-            eta = f", ETA {ago(ex['eta_s'])}" if ex.get("eta_s") is not None else ""
-            rate = f", {ex['rate_samples_per_s']:.0f} samples/s" if ex.get("rate_samples_per_s") else ""
-            _say(f"   status: extract {ex['verdict']} {ex['progress_pct']:.1f} %{rate}{eta} — GPUs idle, not stuck")
+            notifier.post_status(ctl.store, st, ctl.state_version())
         tr = st["stages"]["train"]
         if tr["state"] in ("exited", "stopped", "unknown"):
             return tr["state"] == "exited" and tr["exit_code"] == 0

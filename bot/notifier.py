@@ -29,11 +29,14 @@ class Notifier:
     """One per service; `tick(store)` from the monitor's thread."""
 
     def __init__(self, *, ws: Workspace, client: WebClient, clock=time.time, cooldown_s: float = 1800.0,
-                 pace_s: float = 1.0, escalate_s: float = 1800.0) -> None:
+                 pace_s: float = 1.0, escalate_s: float = 1800.0, channel: str | None = None,
+                 key_prefix: str = "") -> None:
+        """`channel`/`key_prefix` let the console transport keep its own cursor, dedup and message ids."""
         self.ws, self.client, self.clock = ws, client, clock
         self.cooldown_s, self.pace_s, self.escalate_s = cooldown_s, pace_s, escalate_s
-        channel = ws.config.slack.channel
+        channel = channel or ws.config.slack.channel
         self.channel = channel if channel and not PLACEHOLDER.search(channel) else None
+        self.k = key_prefix
         self.last_sent: dict[str, float] = {}
 
     def tick(self, store: Store) -> None:
@@ -46,10 +49,10 @@ class Notifier:
         self.deliver(store)
 
     def collect(self, store: Store) -> None:
-        after = store.get("notifier_after")
+        after = store.get(self.k + "notifier_after")
         if after is None:  # first start: history is in `/eagle3 status`, not re-posted
             events = store.events()
-            store.put("notifier_after", events[-1]["id"] if events else 0)
+            store.put(self.k + "notifier_after", events[-1]["id"] if events else 0)
             return
         for event in store.events(after_id=after):
             msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids)
@@ -60,7 +63,7 @@ class Notifier:
                     blocks = text_blocks(text) + (alert_buttons(stage) if kind == "alert" and stage else [])
                     store.enqueue(channel=self.channel, kind=kind, text=text, blocks=blocks,
                                   thread_key=f"status:{event['run_id']}" if thread and event["run_id"] else None)
-                store.put("notifier_after", event["id"])
+                store.put(self.k + "notifier_after", event["id"])
 
     def _duplicate(self, store: Store, event: dict, kind: str) -> bool:
         """Alerts repeat at most once per cooldown for the same stage and cause, and not while snoozed."""
@@ -68,7 +71,7 @@ class Notifier:
             return False
         if (store.get(f"snooze:{event.get('stage')}") or 0) > self.clock():
             return True
-        key = f"alerted:{event.get('stage')}:{event['data'].get('to') or event['data'].get('reason', '')[:40]}"
+        key = self.k + f"alerted:{event.get('stage')}:{event['data'].get('to') or event['data'].get('reason', '')[:40]}"
         last = store.get(key)
         if last is not None and self.clock() - last < self.cooldown_s:
             return True
@@ -79,8 +82,8 @@ class Notifier:
         """One reminder when a stage is still stalled `escalate_s` after its alert."""
         for stage in ("server", "extract", "train"):
             v = store.get(f"verdict:{stage}") or {}
-            alerted = store.get(f"alerted:{stage}:stalled")
-            key = f"escalated:{stage}:{alerted}"
+            alerted = store.get(self.k + f"alerted:{stage}:stalled")
+            key = self.k + f"escalated:{stage}:{alerted}"
             if v.get("verdict") != "stalled" or alerted is None or store.get(key):
                 continue
             if self.clock() - alerted >= self.escalate_s and (store.get(f"snooze:{stage}") or 0) <= self.clock():
@@ -95,13 +98,13 @@ class Notifier:
         run, pct = v.get("run"), v.get("progress_pct")
         if not run or pct is None:
             return
-        passed = store.get(f"milestones:{run}", [])
+        passed = store.get(self.k + f"milestones:{run}", [])
         for m in MILESTONES:
             if pct >= m and m not in passed:
                 passed.append(m)
                 store.enqueue(channel=self.channel, kind="milestone", text=milestone_text("extract", m),
                               thread_key=f"status:{run}")
-        store.put(f"milestones:{run}", passed)
+        store.put(self.k + f"milestones:{run}", passed)
 
     def post_status(self, store: Store, status: dict, version: str) -> None:
         """Enqueue the run's status message; delivery updates it in place after the first post."""
@@ -113,7 +116,7 @@ class Notifier:
 
     def deliver(self, store: Store) -> None:
         blocked: set[str] = set()
-        for m in store.pending_messages():
+        for m in store.pending_messages(channel=self.channel):
             ch = m["channel"]
             if ch in blocked:
                 continue  # keep order per channel
@@ -134,16 +137,16 @@ class Notifier:
             self.last_sent[ch] = self.clock()
             with store.atomic():
                 store.db["outbox"].update(m["id"], {"status": "sent", "sent_at": self.clock(), "ts": ts})
-                if m["update_key"] and store.get(f"ts:{m['update_key']}") is None:
-                    store.put(f"ts:{m['update_key']}", ts)
+                if m["update_key"] and store.get(self.k + f"ts:{m['update_key']}") is None:
+                    store.put(self.k + f"ts:{m['update_key']}", ts)
 
     def _send(self, store: Store, m: dict) -> str:
         blocks = json.loads(m["blocks"]) or None
-        existing = store.get(f"ts:{m['update_key']}") if m["update_key"] else None
+        existing = store.get(self.k + f"ts:{m['update_key']}") if m["update_key"] else None
         if existing:
             self.client.chat_update(channel=m["channel"], ts=existing, text=m["text"], blocks=blocks)
             return existing
-        thread = store.get(f"ts:{m['thread_key']}") if m["thread_key"] else None
+        thread = store.get(self.k + f"ts:{m['thread_key']}") if m["thread_key"] else None
         r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks, thread_ts=thread)
         return r.get("ts")
 

@@ -4,44 +4,25 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
-import time
 
-from handlers.views import event_text
 from pipeline.config import Workspace
 from pipeline.monitor import Monitor
-
-
-class ConsoleEvents:
-    """Prints new events (verdicts, handoff steps, restarts, reminders) as they are recorded."""
-
-    def __init__(self, out=sys.stdout, *, since_t: float | None = None) -> None:
-        self.out = out
-        self.since_t = time.time() if since_t is None else since_t
-        self.after_id = 0
-
-    def __call__(self, store, _results) -> None:
-        for event in store.events(after_id=self.after_id):
-            self.after_id = event["id"]
-            line = event_text(event) if event["t"] >= self.since_t else None  # older history: `eagle3 status`
-            if line:
-                print(line, file=self.out, flush=True)
 
 
 def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None = None,
           host: str = "127.0.0.1") -> int:
     """Run until SIGTERM/SIGINT (or `max_ticks`); with `http_port`, also Slack's HTTP events."""
-    console, notifier = ConsoleEvents(), _notifier(ws)
-
-    def on_tick(store, results) -> None:
-        console(store, results)
-        if notifier:
-            notifier.tick(store)
-
-    monitor = Monitor(ws=ws, on_tick=on_tick)
-    transport = "console transport (no Slack tokens)" if not notifier else f"posting to {ws.config.slack.channel}"
-    scheduler = _schedule_status_posts(ws, notifier) if notifier else None
+    notifier = _notifier(ws)
+    if notifier:
+        transport = f"posting to {notifier.channel}"
+    elif os.environ.get("SLACK_BOT_TOKEN"):
+        transport = "console transport (SLACK_BOT_TOKEN is set but [slack] channel is not: posts stay here)"
+    else:
+        transport = "console transport (no Slack tokens)"
+    notifier = notifier or console_notifier(ws)
+    monitor = Monitor(ws=ws, on_tick=lambda store, _results: notifier.tick(store))
+    scheduler = _schedule_status_posts(ws, notifier)
     server = None
     socket_mode = None
     if http_port is not None:
@@ -83,20 +64,23 @@ def _start_http(ws: Workspace, host: str, port: int):
     return server, f"Slack HTTP events on http://{host}:{server.server_address[1]}/slack/events"
 
 
+def console_notifier(ws: Workspace, out=None):
+    """Messages printed as they would appear in Slack (the embedded default, and the demo)."""
+    from bot.console import CHANNEL, ConsoleClient
+    from bot.notifier import Notifier
+
+    return Notifier(ws=ws, client=ConsoleClient(out), channel=CHANNEL, key_prefix="console:", pace_s=0.0)
+
+
 def _notifier(ws: Workspace):
     """A Slack notifier when SLACK_BOT_TOKEN and a channel are set; else None (console only)."""
     token = os.environ.get("SLACK_BOT_TOKEN")
     if not token:
         return None
-    from slack_sdk import WebClient
-    from slack_sdk.http_retry.builtin_handlers import RateLimitErrorRetryHandler
-
-    from bot.app import DEFAULT_API_URL
+    from bot.app import slack_client
     from bot.notifier import Notifier
 
-    client = WebClient(token=token, base_url=(os.environ.get("SLACK_API_URL") or DEFAULT_API_URL).rstrip("/") + "/",
-                       timeout=10)
-    client.retry_handlers.append(RateLimitErrorRetryHandler(max_retry_count=3))
+    client = slack_client(token, os.environ.get("SLACK_API_URL"))
     notifier = Notifier(ws=ws, client=client)
     return notifier if notifier.channel else None
 

@@ -131,3 +131,22 @@ def confirm_blocks(verb: str, stage: str, version: str) -> list:
     return [ActionsBlock(elements=[
         ButtonElement(text=f"{verb.capitalize()} {stage}", action_id=ACTION_CONFIRM, value=value, style="danger"),
         ButtonElement(text="Keep it running", action_id=ACTION_KEEP, value=value)]).to_dict()]
+
+
+def blocks_text(blocks: list, fallback: str = "") -> str:
+    """A plain-text rendering of Block Kit blocks, as the console transport prints a message."""
+    out = []
+    for b in blocks or []:
+        kind = b.get("type")
+        if kind == "section":
+            out.append((b.get("text") or {}).get("text", ""))
+            out.extend(f.get("text", "") for f in b.get("fields") or [])
+        elif kind == "context":
+            out.append("  " + " · ".join(e.get("text", "") for e in b.get("elements") or []))
+        elif kind == "actions":
+            out.append("  " + "  ".join(f"[ {(e.get('text') or {}).get('text', '')} ]" for e in b.get("elements") or []))
+        elif kind == "divider":
+            out.append("—" * 20)
+        elif kind == "header":
+            out.append((b.get("text") or {}).get("text", ""))
+    return "\n".join(x for x in out if x) or fallback

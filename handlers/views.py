@@ -97,14 +97,6 @@ def replay_timeline_line(v) -> str:
     return f"{clock_time(v.t)}  {v.stage:<8} {v.verdict:<11}{pct}{eta}{reasons}"
 
 
-def verdict_event_text(event: dict) -> str:
-    """A verdict transition as the console transport prints it."""
-    d = event["data"]
-    pct = f" at {d['progress_pct']:.1f} %" if d.get("progress_pct") is not None else ""
-    reasons = f": {'; '.join(d['reasons'])}" if d.get("reasons") else ""
-    return f"[{clock_time(event['t'])}] {event['stage']}: {d.get('from') or 'new'} → {d['to']}{pct}{reasons}"
-
-
 def train_guard_text(c) -> str:
     """The train-now refusal, with the manifest's numbers (the incident's 'seems done' at 49 %)."""
     if c.total:
@@ -136,23 +128,3 @@ def autostart_text(on: bool, result: dict) -> str:
     if not result["monitor_running"] and on:
         text += ". No monitor is running: it advances only inside `eagle3 serve` — start it."
     return text
-
-
-def event_text(event: dict) -> str | None:
-    """A console line for the events an operator should see as they happen."""
-    d, kind, when = event["data"], event["kind"], clock_time(event["t"])
-    if kind == "verdict":
-        return verdict_event_text(event)
-    if kind == "handoff":
-        return f"[{when}] auto-start: {d['step']} — {d['reason']}"
-    if kind == "handoff-alert":
-        return f"[{when}] ALERT auto-start: {d['reason']}"
-    if kind == "stage-restart":
-        return f"[{when}] {event['stage']}: restarted (attempt {d['attempt']} of {d['limit']}) after: {d['reason']}"
-    if kind == "restart-limit":
-        return f"[{when}] ALERT {event['stage']}: {d['reason']}"
-    if kind == "reminder":
-        parts = [f"{s} {v['verdict']}" + (f" {v['progress_pct']:.1f} %" if v.get("progress_pct") is not None else "")
-                 + (f", ETA {ago(v['eta_s'])}" if v.get("eta_s") else "") for s, v in d["status"].items()]
-        return f"[{when}] reminder (asked by {d['by']}): " + ("; ".join(parts) or "no stage observed yet")
-    return None

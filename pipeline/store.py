@@ -209,9 +209,11 @@ class Store:
             "update_key": update_key, "thread_key": thread_key, "status": "pending", "attempts": 0,
             "next_try": 0.0}).last_pk
 
-    def pending_messages(self) -> list[dict]:
-        """Undelivered messages, oldest first."""
-        return list(self.db["outbox"].rows_where("status = 'pending'", order_by="id"))
+    def pending_messages(self, channel: str | None = None) -> list[dict]:
+        """Undelivered messages (to one channel, or all), oldest first."""
+        if channel is None:
+            return list(self.db["outbox"].rows_where("status = 'pending'", order_by="id"))
+        return list(self.db["outbox"].rows_where("status = 'pending' AND channel = ?", [channel], order_by="id"))
 
     # --- events and audit ---------------------------------------------------
     def add_event(self, *, kind: str, run_id: str | None = None, stage: str | None = None, data: dict | None = None) -> int:

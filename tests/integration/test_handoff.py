@@ -89,7 +89,7 @@ def test_demo_workspace_hands_off_to_real_torchrun_exactly_once(tmp_path):
         assert steps == list(range(1, 41))
         for step in ("waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
                      "training-running"):
-            assert f"auto-start: {step}" in output
+            assert f"auto-start: *{step}*" in output
     finally:
         cleanup(cfg)
 

@@ -41,8 +41,10 @@ def test_serve_observes_progress_and_status_shows_verdict(tmp_path):
         serve.send_signal(signal.SIGTERM)
         output = serve.communicate(timeout=30)[0]
     assert serve.returncode == 0
-    # (the first transition may have been recorded by this test's own on-demand status call)
-    assert "extract: progressing → done at 100.0 %" in output
+    # the console transport prints each message as Slack would show it: the status post, then "done" in its thread
+    assert "console transport (no Slack tokens)" in output
+    assert "*Run r" in output and "[ Auto-start training when extraction finishes ]  [ Check back later ]" in output
+    assert "↳ :tada: extract is done\n    • exited 0 with 300 / 300 done" in output
     trace = tmp_path / "trace.jsonl"
     assert eagle3("export-trace", "--stage", "extract", "--out", str(trace), "--config", str(cfg)).returncode == 0
     lines = trace.read_text().splitlines()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from slack_sdk import WebClient
 
+from bot.app import slack_client
 from bot.notifier import Notifier
 from pipeline.config import Workspace, parse_config
 from pipeline.store import Store
@@ -21,11 +21,11 @@ def env(tmp_path):
     clock = {"t": 1_790_000_000.0}
     store = Store(ws.store_path, clock=lambda: clock["t"])
 
-    def notifier():
-        return Notifier(ws=ws, client=WebClient(token="xoxb-test", base_url=fake.url + "/api/"),
-                        clock=lambda: clock["t"], pace_s=0.0)
+    def notifier(**kw):
+        return Notifier(ws=ws, client=slack_client("xoxb-test", fake.url + "/api/"), clock=lambda: clock["t"],
+                        **{"pace_s": 0.0, **kw})
 
-    yield {"fake": fake, "store": store, "clock": clock, "notifier": notifier}
+    yield {"ws": ws, "fake": fake, "store": store, "clock": clock, "notifier": notifier}
     store.close()
     fake.close()
 
@@ -128,3 +128,74 @@ def test_condition_alerts_become_messages(env):
                     data={"reason": "the run will not fit on disk: 2.10 TB still to write, 1.00 TB free"})
     n.tick(store)
     assert "will not fit on disk" in fake.of("chat.postMessage")[0]["text"]
+
+
+def test_429_waits_out_retry_after_and_delivers_once(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    fake.script["chat.postMessage"] = [("429", 1)]
+    store.enqueue(channel="C1", kind="test", text="rate limited once")
+    n.tick(store)
+    assert [c["text"] for c in fake.of("chat.postMessage")] == ["rate limited once"]
+    (_, fault, at), = fake.faults
+    assert fault == "429" and fake.times[0] - at >= 0.9, "the retry came before Retry-After had passed"
+    assert store.pending_messages() == []
+
+
+def test_ok_false_permanent_error_is_kept_as_failed_and_does_not_block_the_channel(env, caplog):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    fake.script["chat.postMessage"] = [("error", "not_in_channel")]
+    first = store.enqueue(channel="C1", kind="test", text="refused by Slack")
+    store.enqueue(channel="C1", kind="test", text="next one")
+    n.tick(store)
+    n.tick(store)
+    row = store.db["outbox"].get(first)
+    assert row["status"] == "failed" and row["last_error"] == "not_in_channel"
+    assert [c["text"] for c in fake.of("chat.postMessage")] == ["next one"]
+    assert "not_in_channel" in caplog.text and "xoxb-test" not in caplog.text
+
+
+def test_ok_false_transient_error_is_retried_with_backoff(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    fake.script["chat.postMessage"] = [("error", "internal_error"), ("error", "service_unavailable")]
+    store.enqueue(channel="C1", kind="test", text="eventually")
+    n.tick(store)
+    n.tick(store)  # still inside the backoff: no call
+    assert len(fake.faults) == 1
+    for _ in range(3):
+        env["clock"]["t"] += 10
+        n.tick(store)
+    assert [c["text"] for c in fake.of("chat.postMessage")] == ["eventually"]
+
+
+def test_at_most_one_message_a_second_per_channel(env):
+    n, store, fake = env["notifier"](pace_s=1.0), env["store"], env["fake"]
+    n.tick(store)
+    for i in range(3):
+        store.enqueue(channel="C1", kind="test", text=f"m{i}")
+    store.enqueue(channel="C2", kind="test", text="other channel")
+    n.tick(store)
+    n.tick(store)
+    assert [c["text"] for c in fake.of("chat.postMessage")] == ["m0"]  # C2 belongs to another notifier
+    env["clock"]["t"] += 1.0
+    n.tick(store)
+    assert [c["text"] for c in fake.of("chat.postMessage")] == ["m0", "m1"]
+
+
+def test_console_transport_prints_blocks_as_text_with_its_own_cursor(env, capsys):
+    from bot.service import console_notifier
+
+    store = env["store"]
+    slack, console = env["notifier"](), console_notifier(env["ws"])
+    console.clock = slack.clock
+    slack.tick(store)
+    console.tick(store)
+    verdict(store, "extract", "progressing", "stalled", ("no progress for 3m10s", "CPU time flat"))
+    console.tick(store)
+    slack.tick(store)
+    out = capsys.readouterr().out
+    assert "*extract is stalled*\n    • no progress for 3m10s\n    • CPU time flat" in out
+    assert "[ Show logs ]  [ Snooze 1 h ]" in out
+    assert len(env["fake"].of("chat.postMessage")) == 1, "the console's dedup does not swallow Slack's alert"

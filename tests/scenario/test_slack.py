@@ -146,30 +146,43 @@ def test_button_double_click_is_one_state_change_and_updates_the_message(slack):
     assert ("slack:UOK", "C1", "Auto-start training", "stale") in rows
 
 
-def test_serve_http_end_to_end(slack):
+def test_serve_http_end_to_end(tmp_path):
+    """The real `eagle3 serve --http`: signed command and click answered, the scheduled status post
+    (APScheduler, every 0.02 min here) posted once and then updated in place."""
     import os
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
-    env = dict(os.environ, SLACK_SIGNING_SECRET=SECRET, SLACK_BOT_TOKEN="xoxb-test",
-               SLACK_API_URL=slack["fake"].url + "/api/")
-    proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--http", "--port", "0", "--config",
-                             str(slack["cfg"])], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        banner = ""
-        while "Slack HTTP events on " not in banner:  # Bolt may log a warning line first
-            banner = proc.stdout.readline()
-            assert banner, "serve exited before its banner"
-        url = banner.split("Slack HTTP events on ")[1].split(";")[0]
-        other = {**slack, "url": url}
-        assert "extract: dead" in command(other, "status").json()["text"]
-        assert signed(url, "text=status", secret="wrong").status_code == 401
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
+    extra = 'channel = "C1"\npost_interval_min = 0.02\n[monitor]\ntick_s = 0.3\n'
+    with slack_env(tmp_path, "100", "0", "40", extra=extra) as slack:
+        fake = slack["fake"]
+        env = dict(os.environ, SLACK_SIGNING_SECRET=SECRET, SLACK_BOT_TOKEN="xoxb-test",
+                   SLACK_API_URL=fake.url + "/api/")
+        proc = subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--http", "--port", "0", "--config",
+                                 str(slack["cfg"])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            banner = ""
+            while "Slack HTTP events on " not in banner:  # Bolt may log a warning line first
+                banner = proc.stdout.readline()
+                assert banner, "serve exited before its banner"
+            url = banner.split("Slack HTTP events on ")[1].split(";")[0]
+            other = {**slack, "url": url}
+            blocks = command(other, "status").json()["blocks"]
+            assert signed(url, "text=status", secret="wrong").status_code == 401
+            assert click(other, "eagle3_later", value_of(blocks, "eagle3_later")).status_code == 200
+            wait_for(lambda: len(fake.of("chat.update")) >= 3, timeout=30, what="the status post updated 2 times")
+        finally:
+            proc.terminate()
+            out = proc.communicate(timeout=30)[0]
+        statuses = [p for p in fake.of("chat.postMessage") if "*Run " in p.get("text", "") + str(p.get("blocks"))]
+        assert len(statuses) == 1, out
+        status_ts = f"1790000000.{fake.calls.index(('chat.postMessage', statuses[0])) + 1:06d}"
+        assert {u["ts"] for u in fake.of("chat.update") if u["ts"] != "1790000000.000100"} == {status_ts}
+        assert any("Check back" in u["text"] or "remind" in u["text"] for u in fake.of("chat.update")), out
+        assert "xoxb-test" not in out and SECRET not in out
     missing = eagle3("serve", "--http", "--config", str(slack["cfg"]), env={"SLACK_SIGNING_SECRET": ""})
     assert missing.returncode == 2 and "set SLACK_SIGNING_SECRET" in missing.stderr
 
