@@ -8,8 +8,6 @@ import time
 
 from handlers.blocks import blocks_text
 
-CHANNEL = "console"
-
 
 class ConsoleClient:
     """Stands in for slack_sdk's WebClient in `Notifier` when no Slack tokens are set."""

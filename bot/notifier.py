@@ -126,8 +126,10 @@ class Notifier:
             try:
                 ts = self._send(store, m)
             except SlackApiError as exc:
-                self._failed(store, m, exc.response.get("error") or str(exc.response.status_code),
-                             retry=exc.response.status_code >= 500 or exc.response.get("error") in RETRYABLE)
+                code = exc.response.status_code
+                error = f"HTTP {code}" if code >= 500 or not isinstance(exc.response.data, dict) else (
+                    exc.response.get("error") or f"HTTP {code}")
+                self._failed(store, m, error, retry=code >= 500 or error in RETRYABLE)
                 blocked.add(ch)
                 continue
             except OSError as exc:  # network: retry with backoff

@@ -66,10 +66,11 @@ def _start_http(ws: Workspace, host: str, port: int):
 
 def console_notifier(ws: Workspace, out=None):
     """Messages printed as they would appear in Slack (the embedded default, and the demo)."""
-    from bot.console import CHANNEL, ConsoleClient
+    from bot.console import ConsoleClient
     from bot.notifier import Notifier
+    from pipeline.store import CONSOLE_CHANNEL
 
-    return Notifier(ws=ws, client=ConsoleClient(out), channel=CHANNEL, key_prefix="console:", pace_s=0.0)
+    return Notifier(ws=ws, client=ConsoleClient(out), channel=CONSOLE_CHANNEL, key_prefix="console:", pace_s=0.0)
 
 
 def _notifier(ws: Workspace):

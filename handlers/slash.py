@@ -10,8 +10,20 @@ from handlers.blocks import confirm_blocks, status_blocks, text_blocks
 from handlers.views import ago, autostart_text, train_guard_text, verdict_line
 from pipeline.errors import UserError
 
-HELP = ("*/eagle3* commands: `status` (default) · `stuck` · `eta` · `gpus` · `logs STAGE` · `train` · "
-        "`autostart on|off` · `later 30m|1h|eta` · `stop STAGE` · `restart STAGE` (both ask to confirm) · `help`")
+SUBCOMMANDS = {  # usage -> what it answers; the help text, the docs test and the app manifest use this
+    "status": "the run at a glance: stage, verdict, progress, rate, ETA, GPUs, disk (also `/eagle3` alone)",
+    "stuck": "each stage's verdict with its evidence",
+    "eta": "each stage's progress and ETA with its band",
+    "gpus": "GPU utilization and memory, and which stage holds them",
+    "logs STAGE": "the last lines of a stage's log, secrets redacted",
+    "train": "start training now — refused with the numbers until extraction is verified complete",
+    "autostart on|off": "arm or cancel training's automatic start when extraction is verified complete",
+    "later 30m|1h|eta": "post the status again after a while, or when the ETA is due",
+    "stop STAGE": "stop server, extract or train (asks to confirm)",
+    "restart STAGE": "stop and start a stage again (asks to confirm)",
+    "help": "this list",
+}
+HELP = "*/eagle3* commands:\n" + "\n".join(f"• `{usage}` — {what}" for usage, what in SUBCOMMANDS.items())
 MAX_TEXT = 200
 
 
@@ -23,7 +35,7 @@ def parse(text: str) -> tuple[str, list[str]]:
     verb, args = words[0], words[1:]
     if verb == "autostart" and args[:1] in (["on"], ["off"]):
         return f"autostart {args[0]}", []
-    known = {"status", "stuck", "eta", "gpus", "logs", "train", "later", "help", "stop", "restart"}
+    known = {usage.split()[0] for usage in SUBCOMMANDS} - {"autostart"}
     return (verb, args) if verb in known else ("help", [])
 
 
@@ -74,6 +86,14 @@ def _train_later(controller_factory, user: str, respond) -> None:
     respond(text=text, response_type="in_channel", replace_original=False)
 
 
+STAGES = ("server", "extract", "train")
+
+
+def _name_a_stage(verb: str) -> tuple[str, list]:
+    text = f"`/eagle3 {verb} STAGE`: name server, extract or train"
+    return text, text_blocks(text)
+
+
 def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
     """(fallback text, blocks) for one verb."""
     status = ctl.status(sample_if_unmonitored=False)
@@ -90,7 +110,9 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
                                      for g in gpus if g.get("util") is not None) if gpus else "no reading yet")
         return text, text_blocks(text)
     if verb == "logs":
-        stage = args[0] if args and args[0] in ("server", "extract", "train") else "extract"
+        stage = args[0] if args else "extract"
+        if stage not in STAGES:
+            return _name_a_stage(verb)
         _, lines = ctl.logs(stage, lines=30)
         secrets = [os.environ.get(k, "") for k in ("SLACK_BOT_TOKEN", "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET")]
         body = redact("\n".join(lines), secrets)[-2800:] or "(no output yet)"
@@ -111,9 +133,8 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         return text, text_blocks(text)
     if verb in ("stop", "restart"):
         stage = args[0] if args else ""
-        if stage not in ("server", "extract", "train"):
-            text = f"`/eagle3 {verb} STAGE`: name server, extract or train"
-            return text, text_blocks(text)
+        if stage not in STAGES:
+            return _name_a_stage(verb)
         text = f"{verb.capitalize()} *{stage}*? Its whole process group gets SIGTERM, then SIGKILL after the grace period."
         return text, text_blocks(text) + confirm_blocks(verb, stage, ctl.state_version())
     if verb == "later":

@@ -48,6 +48,10 @@ def status_text(status: dict) -> str:
         lines.append(f"auto-start: {status['autostart']} — {status.get('autostart_reason')}")
     if status.get("monitor") == "not running":
         lines.append("monitor: not running (start `eagle3 serve`); running stages were sampled just now")
+    box = status.get("outbox") or {}
+    if box.get("pending") or box.get("failed"):
+        lines.append(f"slack: {box['pending']} message(s) waiting to be delivered, {box['failed']} refused by Slack"
+                     + (f" (last error: {box['last_error']})" if box.get("last_error") else ""))
     for name, st in status["stages"].items():
         lines.append(stage_line(name, st))
         if st["state"] != "not-started" and st.get("verdict"):

@@ -145,7 +145,7 @@ class Controller:
         handoff = self.store.get("handoff")
         return {"run": self.store.current_run(), "monitor": "running" if monitored else "not running",
                 "autostart": "off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
-                "autostart_reason": (handoff or {}).get("reason"),
+                "autostart_reason": (handoff or {}).get("reason"), "outbox": self.store.outbox_summary(),
                 "stages": {stage: self._stage_status(stage, now) for stage in STAGE_NAMES}}
 
     def _unobserved_end(self, stage: str) -> bool:

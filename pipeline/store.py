@@ -68,6 +68,9 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+CONSOLE_CHANNEL = "console"  # the outbox channel of messages printed by the console transport
+
+
 class Store:
     """Typed access to the state store; one instance per process."""
 
@@ -214,6 +217,15 @@ class Store:
         if channel is None:
             return list(self.db["outbox"].rows_where("status = 'pending'", order_by="id"))
         return list(self.db["outbox"].rows_where("status = 'pending' AND channel = ?", [channel], order_by="id"))
+
+    def outbox_summary(self) -> dict:
+        """Counts of pending and failed outgoing messages, with the newest error (for `eagle3 status`)."""
+        pending, failed = self.db.execute(
+            "SELECT SUM(status = 'pending'), SUM(status = 'failed') FROM outbox WHERE channel != ?",
+            [CONSOLE_CHANNEL]).fetchone()
+        last = self.db.execute("SELECT last_error FROM outbox WHERE last_error IS NOT NULL AND status != 'sent' "
+                               "AND channel != ? ORDER BY id DESC LIMIT 1", [CONSOLE_CHANNEL]).fetchone()
+        return {"pending": pending or 0, "failed": failed or 0, "last_error": last[0] if last else None}
 
     # --- events and audit ---------------------------------------------------
     def add_event(self, *, kind: str, run_id: str | None = None, stage: str | None = None, data: dict | None = None) -> int:

@@ -199,3 +199,19 @@ def test_console_transport_prints_blocks_as_text_with_its_own_cursor(env, capsys
     assert "*extract is stalled*\n    • no progress for 3m10s\n    • CPU time flat" in out
     assert "[ Show logs ]  [ Snooze 1 h ]" in out
     assert len(env["fake"].of("chat.postMessage")) == 1, "the console's dedup does not swallow Slack's alert"
+
+
+def test_status_says_how_many_messages_wait_and_why(env):
+    from handlers.views import status_text
+
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    fake.script["chat.postMessage"] = [("error", "channel_not_found"), ("500", None)]
+    store.enqueue(channel="C1", kind="test", text="refused")
+    store.enqueue(channel="C1", kind="test", text="waiting")
+    store.enqueue(channel="console", kind="test", text="printed locally")
+    n.tick(store)
+    n.tick(store)
+    assert store.outbox_summary() == {"pending": 1, "failed": 1, "last_error": "HTTP 500"}
+    text = status_text({"run": None, "outbox": store.outbox_summary(), "stages": {}})
+    assert "slack: 1 message(s) waiting to be delivered, 1 refused by Slack (last error: HTTP 500)" in text
