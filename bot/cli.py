@@ -256,10 +256,10 @@ def cmd_train(args) -> int:
     return train_main(args.train_args)
 
 
-@command("demo", "a short tour of what exists so far, in a temporary workspace")
+@command("demo", "the whole story in a temporary toy workspace: extraction, auto-start, training, summary")
 def cmd_demo(args) -> int:
     from bot.demo import run_demo
-    return run_demo()
+    return run_demo(slack_channel=args.slack_channel)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.toy_args import add_arguments
     add_arguments(p["toy-server"])
     p["train"].add_argument("train_args", nargs=argparse.REMAINDER, help="--data OUT --out CKPT --steps N …")
+    p["demo"].add_argument("--slack-channel", metavar="C…", help="post to this Slack channel as well "
+                           "(needs SLACK_BOT_TOKEN; default: the console transport)")
     p["run-stage"].add_argument("--stage", required=True, choices=STAGE_NAMES)
     p["run-stage"].add_argument("--proc-id", required=True, type=int)
     return parser

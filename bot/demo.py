@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from bot.service import console_notifier
 from pipeline.config import load_workspace
 from pipeline.controller import Controller
 from pipeline.demo_workspace import write_demo_workspace
+from pipeline.errors import UserError
 from pipeline.monitor import Monitor
 
 TIMEOUT_S = 170.0
@@ -30,8 +32,22 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run_demo() -> int:
+def _demo_notifier(ws, slack_channel: str | None):
+    """The console transport, or a real Slack channel when SLACK_BOT_TOKEN is set and a channel is given."""
+    token = os.environ.get("SLACK_BOT_TOKEN")
+    if not slack_channel:
+        return console_notifier(ws), "console transport: messages printed as they would appear in Slack"
+    from bot.app import slack_client
+    from bot.notifier import Notifier
+
+    client = slack_client(token, os.environ.get("SLACK_API_URL"))
+    return Notifier(ws=ws, client=client, channel=slack_channel), f"posting to Slack channel {slack_channel}"
+
+
+def run_demo(slack_channel: str | None = None) -> int:
     """Run the story; returns the exit status."""
+    if slack_channel and not os.environ.get("SLACK_BOT_TOKEN"):
+        raise UserError("demo --slack-channel: set SLACK_BOT_TOKEN (and invite the bot to the channel)")
     root = Path(tempfile.mkdtemp(prefix="eagle3-demo-"))
     log = root / "demo.log"
     logging.basicConfig(filename=log, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
@@ -39,7 +55,8 @@ def run_demo() -> int:
     cfg = write_demo_workspace(root)
     ws = load_workspace(cfg)
     ctl = Controller(workspace=ws)
-    notifier = console_notifier(ws)
+    notifier, transport = _demo_notifier(ws, slack_channel)
+    _say(f"   {transport}")
     monitor = Monitor(ws=ws, on_tick=lambda store, _results: notifier.tick(store))
     thread = threading.Thread(target=monitor.run, name="monitor", daemon=True)
     started = time.time()

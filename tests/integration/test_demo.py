@@ -1,0 +1,75 @@
+"""`eagle3 demo`, as a new user runs it: the whole story, exit 0, nothing left running; Ctrl-C too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT
+from tests.scenario.fake_slack import FakeSlack
+
+pytestmark = pytest.mark.slow
+
+
+def demo(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "bot.cli", "demo", *args], cwd=ROOT,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def workspace_of(first_line: str) -> str:
+    return first_line.split("workspace ", 1)[1].split(" ", 1)[0]
+
+
+def left_running(workspace: str) -> list[str]:
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if workspace in cmd:
+            out.append(f"{p.info['pid']}: {cmd[:120]}")
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_running():
+    fake = FakeSlack()
+    proc = demo("--slack-channel", "C1", env={"SLACK_BOT_TOKEN": "xoxb-demo", "SLACK_API_URL": fake.url + "/api/"})
+    try:
+        out = proc.communicate(timeout=200)[0]
+    finally:
+        fake.close()
+    assert proc.returncode == 0, out
+    ws = workspace_of(out.splitlines()[0])
+    assert not left_running(ws)
+    for line in ("refusing to start training: extraction is", "posting to Slack channel C1", "summary",
+                 "samples: 300 extracted, 0 failed", "handoff after extraction completed: server stopped +",
+                 "training kl:", "nothing left running."):
+        assert line in out, out
+    assert "Traceback" not in out and "xoxb-demo" not in out
+    posts, updates = fake.of("chat.postMessage"), fake.of("chat.update")
+    status_ts = f"1790000000.{fake.calls.index(('chat.postMessage', posts[0])) + 1:06d}"
+    assert "*Run " in str(posts[0]["blocks"]) and updates and {u["ts"] for u in updates} == {status_ts}
+    replies = [p["text"] for p in posts if p.get("thread_ts") == status_ts]
+    for step in ("stopping-server", "waiting-for-gpu-release", "launching-training", "training-running"):
+        assert any(f"*{step}*" in r for r in replies), replies
+    assert any("extract passed 100 %" in r for r in replies)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_everything_the_demo_started():
+    proc = demo()
+    first = proc.stdout.readline()
+    line = first
+    while "arming auto-start" not in line:  # the server and extraction are running now
+        line = proc.stdout.readline()
+        assert line, "demo ended early"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the foreground group
+    out = proc.communicate(timeout=90)[0]
+    assert proc.returncode == 1, out
+    assert "interrupted: stopping everything the demo started" in out and "Traceback" not in out
+    assert not left_running(workspace_of(first))
