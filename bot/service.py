@@ -60,7 +60,7 @@ def _start_http(ws: Workspace, host: str, port: int):
         raise UserError("serve --http: set SLACK_SIGNING_SECRET (from the Slack app's Basic Information page)")
     app = build_app(ws=ws, token=os.environ.get("SLACK_BOT_TOKEN", ""), signing_secret=secret,
                     api_url=os.environ.get("SLACK_API_URL"))
-    server = serve_http(app, host=host, port=port)
+    server = serve_http(app, signing_secret=secret, host=host, port=port)
     return server, f"Slack HTTP events on http://{host}:{server.server_address[1]}/slack/events"
 
 

@@ -23,11 +23,13 @@ def refusal(slack_cfg, *, user: str, channel: str | None, mutating: bool) -> str
     return None
 
 
-def redact(text: str, extra: list[str] = ()) -> str:
-    """Mask tokens, Authorization headers, signing secrets and any configured secret values."""
+def redact(text: str, extra: list[str] = (), patterns: list[str] = ()) -> str:
+    """Mask tokens, Authorization headers, signing secrets, the given secret values and `patterns`."""
     for pattern in _SECRETS:
         text = pattern.sub(lambda m: (m.group(1) if m.lastindex else "") + "[redacted]", text)
     for secret in extra:
         if secret:
             text = text.replace(secret, "[redacted]")
+    for pattern in patterns:
+        text = re.sub(pattern, "[redacted]", text)
     return text

@@ -17,6 +17,7 @@ from handlers.blocks import (
     text_blocks,
 )
 from handlers.views import autostart_text
+from pipeline.errors import UserError
 
 LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later",
           ACTION_CONFIRM: "Confirm", ACTION_KEEP: "Keep it running", ACTION_SNOOZE: "Snooze 1 h"}
@@ -50,7 +51,10 @@ def register(app, *, controller_factory, ws) -> None:
                                  daemon=True).start()  # the grace period is far longer than Slack's 3 s
                 result = f"{_describe(action)} requested; I'll report when it is done"
             else:
-                result = _act(ctl, action_id, action, user)
+                try:
+                    result = _act(ctl, action_id, action, user)
+                except UserError as exc:  # e.g. a snooze for a stage that does not exist
+                    result = str(exc)
             ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
                             detail=result)
         finally:
@@ -83,29 +87,32 @@ def register(app, *, controller_factory, ws) -> None:
         respond(text=text, blocks=blocks, response_type="ephemeral", replace_original=False)
 
 
-def _version(action: dict) -> str | None:
+def _value(action: dict) -> dict:
+    """A button's JSON value as a dict ({} for anything else)."""
     try:
-        return json.loads(action.get("value") or "{}").get("v")
-    except ValueError:
-        return None
+        v = json.loads(action.get("value") or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def _version(action: dict) -> str | None:
+    return _value(action).get("v")
 
 
 def _describe(action: dict) -> str:
-    try:
-        v = json.loads(action.get("value") or "{}")
-    except ValueError:
-        v = {}
+    v = _value(action)
     return f"{v.get('verb', '?')} {v.get('stage', '?')}"
 
 
 def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
     from handlers.views import stop_text
 
-    v = json.loads(action["value"])
+    v = _value(action)
     ctl = controller_factory()
     try:
-        result = stop_text(ctl.stop(v["stage"]))
-        if v["verb"] == "restart":
+        result = stop_text(ctl.stop(str(v.get("stage"))))
+        if v.get("verb") == "restart":
             proc = ctl.start(v["stage"], by=f"slack:{user}")
             result += f"; started again (pid {proc['pid']})"
     except Exception as exc:  # noqa: BLE001 - reported in Slack as one line

@@ -99,6 +99,14 @@ class Stages(_Section):
     train: TrainStage = Field(default_factory=TrainStage, description="Training stage.")
 
 
+SECRET_ENV = ("SLACK_BOT_TOKEN", "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET")
+
+
+def without_secrets(env) -> dict[str, str]:
+    """An environment for child processes: the Slack secrets are the service's alone."""
+    return {k: v for k, v in env.items() if k not in SECRET_ENV}
+
+
 class SlackConfig(_Section):
     """Where the bot posts and who may act through it."""
 
@@ -107,6 +115,18 @@ class SlackConfig(_Section):
     allowed_channel_ids: list[str] = Field(default_factory=list, description="Channels the bot answers in (empty: any).")
     oncall_user_ids: list[str] = Field(default_factory=list, description="Users @-mentioned on alerts.")
     post_interval_min: float = Field(default=30, gt=0, description="Minutes between scheduled progress updates.")
+    redact_patterns: list[str] = Field(
+        default_factory=list, description="Regexes masked in log excerpts posted to Slack, besides tokens and Authorization headers.")
+
+    @field_validator("redact_patterns")
+    @classmethod
+    def _patterns(cls, value: list[str]) -> list[str]:
+        for i, pattern in enumerate(value):
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"entry {i} ({pattern!r}) is not a valid regular expression ({exc})") from None
+        return value
 
 
 class MonitorConfig(_Section):

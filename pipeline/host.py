@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from pipeline.config import without_secrets
+
 # create_time is boot time plus the kernel's start time in clock ticks (10 ms), so
 # the same process always reads the same value; a reused pid reads a later one, at
 # least one tick later. The tolerance only absorbs float round-off.
@@ -85,7 +87,7 @@ class RealHost:
     def spawn_detached(self, argv: list[str], *, cwd: str | None = None) -> int:
         """Start `argv` in its own session, detached from our stdio; return its pid."""
         proc = subprocess.Popen(
-            argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            argv, cwd=cwd, env=without_secrets(os.environ), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
         )
         return proc.pid

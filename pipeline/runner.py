@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 
-from pipeline.config import Workspace
+from pipeline.config import Workspace, without_secrets
 from pipeline.host import RealHost
 from pipeline.logfile import RotatingLog
 from pipeline.states import StageState, transition
@@ -26,9 +26,9 @@ DRAIN_AFTER_EXIT_S = 5.0
 
 
 def stage_env(ws: Workspace, stage: str) -> dict[str, str]:
-    """The environment a stage runs with: ours, its configured env, its GPUs."""
+    """The environment a stage runs with: ours without the Slack secrets, its configured env, its GPUs."""
     cfg = ws.stage(stage)
-    env = dict(os.environ, **cfg.env, PYTHONUNBUFFERED="1")
+    env = without_secrets({**os.environ, **cfg.env, "PYTHONUNBUFFERED": "1"})
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
     return env

@@ -2,47 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import sqlite3
 import time
-from contextlib import contextmanager
 from urllib.parse import urlencode
 
-import httpx
 import pytest
 from slack_sdk.models.blocks import Block
 
-from bot.app import build_app, serve_http
-from pipeline.config import load_workspace
-from tests.conftest import eagle3, fixture_argv, wait_for
-from tests.scenario.fake_slack import FakeSlack
+from tests.conftest import eagle3, wait_for
+from tests.scenario.slack_kit import SECRET, audit, click, command, signed, slack_env, value_of
 
 pytestmark = pytest.mark.timeout(120)
-SECRET = "test-signing-secret"
-
-
-@contextmanager
-def slack_env(tmp_path, *extract_args: str, extra: str = ""):
-    """A workspace whose stand-in extraction ran (fake_extract.py OUT TOTAL 0 [EXIT_AT]) to its end,
-    the app on port 0 and a fake Slack Web API; everything is stopped afterwards."""
-    cfg = tmp_path / "eagle3.toml"
-    cfg.write_text(f'[slack]\nallowed_user_ids = ["UOK"]\n{extra}[stages.extract]\nout = "out"\n'
-                   f'argv = {json.dumps(fixture_argv("fake_extract.py", str(tmp_path / "out"), *extract_args))}\n'
-                   f'[stages.train]\nargv = {json.dumps(fixture_argv("sleeper.py"))}\n')
-    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
-    wait_for(lambda: json.loads(eagle3("status", "--json", "--config", str(cfg)).stdout)["stages"]["extract"]
-             .get("verdict") in ("dead", "done"), what="the stand-in extraction to end")
-    fake = FakeSlack()
-    app = build_app(ws=load_workspace(cfg), token="xoxb-test", signing_secret=SECRET, api_url=fake.url + "/api/")
-    server = serve_http(app, port=0)
-    try:
-        yield {"url": f"http://127.0.0.1:{server.server_address[1]}/slack/events", "fake": fake, "cfg": cfg}
-    finally:
-        server.shutdown()
-        fake.close()
-        eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
 
 
 @pytest.fixture
@@ -50,39 +20,6 @@ def slack(tmp_path):
     """Extraction stopped at 40 of 100."""
     with slack_env(tmp_path, "100", "0", "40") as env:
         yield env
-
-
-def signed(url: str, body: str, *, secret: str = SECRET, ts: int | None = None, sign: bool = True) -> httpx.Response:
-    ts = int(time.time()) if ts is None else ts
-    headers = {"Content-Type": "application/x-www-form-urlencoded"}
-    if sign:
-        digest = hmac.new(secret.encode(), f"v0:{ts}:{body}".encode(), hashlib.sha256).hexdigest()
-        headers.update({"X-Slack-Request-Timestamp": str(ts), "X-Slack-Signature": f"v0={digest}"})
-    return httpx.post(url, content=body, headers=headers, timeout=10)
-
-
-def command(env, text: str, *, user: str = "UOK", channel: str = "C1") -> httpx.Response:
-    body = urlencode({"command": "/eagle3", "text": text, "user_id": user, "user_name": "op", "channel_id": channel,
-                      "team_id": "T1", "response_url": env["fake"].url + "/respond/1", "trigger_id": "1.2",
-                      "api_app_id": "A1"})
-    return signed(env["url"], body)
-
-
-def click(env, action_id: str, value: str, *, user: str = "UOK", ephemeral: bool = False) -> httpx.Response:
-    payload = {"type": "block_actions", "user": {"id": user}, "channel": {"id": "C1"}, "team": {"id": "T1"},
-               "api_app_id": "A1", "response_url": env["fake"].url + "/respond/2", "trigger_id": "1.3",
-               "container": {"type": "message", "message_ts": "1790000000.000100", "channel_id": "C1",
-                             "is_ephemeral": ephemeral},
-               "actions": [{"action_id": action_id, "block_id": "b", "value": value, "type": "button"}]}
-    return signed(env["url"], urlencode({"payload": json.dumps(payload)}))
-
-
-def audit(cfg) -> list[tuple]:
-    conn = sqlite3.connect(cfg.parent / ".eagle3" / "state.sqlite")
-    rows = conn.execute("SELECT user, channel, action, outcome FROM audit ORDER BY id").fetchall()
-    conn.close()
-    return rows
-
 
 def test_status_is_block_kit_within_limits(slack):
     r = command(slack, "")
@@ -185,10 +122,6 @@ def test_serve_http_end_to_end(tmp_path):
         assert "xoxb-test" not in out and SECRET not in out
     missing = eagle3("serve", "--http", "--config", str(slack["cfg"]), env={"SLACK_SIGNING_SECRET": ""})
     assert missing.returncode == 2 and "set SLACK_SIGNING_SECRET" in missing.stderr
-
-
-def value_of(blocks, action_id):
-    return next(e["value"] for b in blocks if b["type"] == "actions" for e in b["elements"] if e["action_id"] == action_id)
 
 
 def test_stop_asks_to_confirm_then_stops_the_group(slack):
