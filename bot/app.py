@@ -83,6 +83,13 @@ class GuardedHandler:
         self.inner = SlackRequestHandler(app)
         self.verifier = SignatureVerifier(signing_secret)
 
+    def _signed(self, body: bytes, environ) -> bool:
+        ts, sig = environ.get("HTTP_X_SLACK_REQUEST_TIMESTAMP", ""), environ.get("HTTP_X_SLACK_SIGNATURE", "")
+        try:
+            return bool(ts and sig) and self.verifier.is_valid(body=body, timestamp=ts, signature=sig)
+        except ValueError:  # a timestamp that is not a number
+            return False
+
     def __call__(self, environ, start_response):
         try:
             length = int(environ.get("CONTENT_LENGTH") or 0)
@@ -91,8 +98,7 @@ class GuardedHandler:
         body = environ["wsgi.input"].read(length) if length > 0 else b""
         environ["wsgi.input"] = io.BytesIO(body)
         if environ.get("REQUEST_METHOD") == "POST":
-            if not self.verifier.is_valid(body=body, timestamp=environ.get("HTTP_X_SLACK_REQUEST_TIMESTAMP", ""),
-                                          signature=environ.get("HTTP_X_SLACK_SIGNATURE", "")):
+            if not self._signed(body, environ):
                 start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8")])
                 return [b"invalid request signature"]
             why = _malformed(body)
