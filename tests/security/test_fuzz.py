@@ -13,7 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from handlers.alerts import ACTION_LOGS, ACTION_SNOOZE
-from handlers.blocks import ACTION_AUTOSTART, ACTION_CANCEL, ACTION_CONFIRM, ACTION_KEEP, ACTION_LATER
+from handlers.blocks import (
+    ACTION_AUTOSTART,
+    ACTION_CANCEL,
+    ACTION_CONFIRM,
+    ACTION_KEEP,
+    ACTION_LATER,
+)
 from handlers.slash import SUBCOMMANDS
 from pipeline.config import parse_config
 from pipeline.errors import ConfigError
