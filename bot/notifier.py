@@ -55,7 +55,8 @@ class Notifier:
             store.put(self.k + "notifier_after", events[-1]["id"] if events else 0)
             return
         for event in store.events(after_id=after):
-            msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids)
+            msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids,
+                                patterns=self.ws.config.slack.redact_patterns)
             with store.atomic():
                 if msg and not self._duplicate(store, event, msg[0]):
                     kind, text, thread = msg

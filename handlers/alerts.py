@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from handlers.auth import redact
 from handlers.views import ago
 
 ALARM = frozenset({"stalled", "dead"})
@@ -13,12 +14,13 @@ def mention(user_ids: list[str]) -> str:
     return " ".join(f"<@{u}>" for u in user_ids)
 
 
-def event_message(event: dict, *, oncall: list[str]) -> tuple[str, str, str | None] | None:
-    """(kind, text, thread_key) for an event worth posting, else None. thread_key: reply in the run's thread."""
+def event_message(event: dict, *, oncall: list[str], patterns: list[str] = ()) -> tuple[str, str, str | None] | None:
+    """(kind, text, thread_key) for an event worth posting, else None. thread_key: reply in the run's thread.
+    Evidence may quote a stage's log: it is redacted like a posted log excerpt."""
     d, kind, stage = event["data"], event["kind"], event.get("stage")
     if kind == "verdict":
         to, frm = d.get("to"), d.get("from")
-        evidence = "\n".join(f"• {r}" for r in d.get("reasons") or [])
+        evidence = redact("\n".join(f"• {r}" for r in d.get("reasons") or []), patterns=patterns)
         if to in ALARM:
             return "alert", f":rotating_light: {mention(oncall)} *{stage} is {to}*\n{evidence}", None
         if frm in ALARM and to in ("progressing", "slow", "starting"):

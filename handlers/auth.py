@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+
+from pipeline.config import SECRET_ENV
 
 MUTATING = frozenset({"autostart on", "autostart off", "train", "later", "stop", "restart"})
 _SECRETS = [re.compile(r"xox[abposr]-[0-9A-Za-z-]+"), re.compile(r"xapp-[0-9A-Za-z-]+"),
@@ -24,7 +27,9 @@ def refusal(slack_cfg, *, user: str, channel: str | None, mutating: bool) -> str
 
 
 def redact(text: str, extra: list[str] = (), patterns: list[str] = ()) -> str:
-    """Mask tokens, Authorization headers, signing secrets, the given secret values and `patterns`."""
+    """Mask tokens, Authorization headers, signing secrets, this service's own Slack secrets,
+    the given secret values and `patterns`."""
+    extra = [*extra, *(os.environ.get(k, "") for k in SECRET_ENV)]
     for pattern in _SECRETS:
         text = pattern.sub(lambda m: (m.group(1) if m.lastindex else "") + "[redacted]", text)
     for secret in extra:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 from handlers.auth import MUTATING, redact, refusal
 from handlers.blocks import confirm_blocks, status_blocks, text_blocks
 from handlers.views import ago, autostart_text, train_guard_text, verdict_line
-from pipeline.config import SECRET_ENV
 from pipeline.errors import UserError
 
 SUBCOMMANDS = {  # usage -> what it answers; the help text, the docs test and the app manifest use this
@@ -115,8 +113,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         if stage not in STAGES:
             return _name_a_stage(verb)
         _, lines = ctl.logs(stage, lines=30)
-        secrets = [os.environ.get(k, "") for k in SECRET_ENV]
-        body = redact("\n".join(lines), secrets, ctl.ws.config.slack.redact_patterns)[-2800:] or "(no output yet)"
+        body = redact("\n".join(lines), patterns=ctl.ws.config.slack.redact_patterns)[-2800:] or "(no output yet)"
         return f"last lines of {stage}", text_blocks(f"*{stage}* log:\n```{body}```")
     if verb == "train":
         from pipeline.controller import TrainGuardError

@@ -210,6 +210,8 @@ class Diagnoser:
             return self._base(t, prog, verdict="dead", reasons=("the process vanished; exit status unknown",))
         if code != 0:
             how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            if proc.get("last_line"):
+                how += f"; its log ends: {proc['last_line']}"
             return self._base(t, prog, verdict="dead", reasons=(how,))
         done, failed, total = num(prog, "done"), num(prog, "failed") or 0.0, num(prog, "total")
         if done is None or not total:

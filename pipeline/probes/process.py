@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import psutil
 
@@ -25,6 +26,18 @@ def group_processes(pgid: int, since: float) -> list[psutil.Process]:
     return found
 
 
+def last_log_line(path: str | None) -> str | None:
+    """The last non-empty line of a stage's log (its error, usually), at most 300 characters; None if unreadable."""
+    from pipeline.logfile import tail_lines
+
+    try:
+        lines = [line.strip() for line in tail_lines(Path(path), 5)] if path else []
+    except OSError:
+        return None
+    line = next((x for x in reversed(lines) if x), None)
+    return line if line is None or len(line) <= 300 else line[:299] + "…"
+
+
 def read_process(row: dict | None, *, clock=time.time) -> Reading:
     """The `process` section of an observation for a stage-process row."""
     if row is None:
@@ -33,7 +46,11 @@ def read_process(row: dict | None, *, clock=time.time) -> Reading:
     stop = bool(row.get("stop_requested"))
     if ended or row["state"] == "unknown" and row.get("ended_at"):
         code = row["exit_code"] if row["exit_code"] is not None else (-row["signal"] if row.get("signal") else None)
-        return known({"alive": False, "exit_code": code, "stop_requested": stop}, clock=clock)
+        value = {"alive": False, "exit_code": code, "stop_requested": stop}
+        line = last_log_line(row.get("log")) if code and not stop else None
+        if line:
+            value["last_line"] = line
+        return known(value, clock=clock)
     if row.get("pid") is None:
         return known({"alive": None, "exit_code": None, "stop_requested": stop}, clock=clock)
     members = group_processes(row["pgid"], row["create_time"] or 0)

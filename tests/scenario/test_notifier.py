@@ -215,3 +215,13 @@ def test_status_says_how_many_messages_wait_and_why(env):
     assert store.outbox_summary() == {"pending": 1, "failed": 1, "last_error": "HTTP 500"}
     text = status_text({"run": None, "outbox": store.outbox_summary(), "stages": {}})
     assert "slack: 1 message(s) waiting to be delivered, 1 refused by Slack (last error: HTTP 500)" in text
+
+
+def test_alert_evidence_quoting_a_log_is_redacted(env, monkeypatch):
+    token = "-".join(["xoxb", "42", "leaked"])
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    verdict(store, "extract", "progressing", "dead", (f"exited with code 1; its log ends: auth failed for {token}",))
+    n.tick(store)
+    text = fake.of("chat.postMessage")[0]["text"]
+    assert "its log ends: auth failed for [redacted]" in text and token not in text

@@ -258,3 +258,12 @@ def test_process_probe_over_real_group():
     ended = read_process({**row, "state": "exited", "exit_code": None, "signal": 9})
     assert ended.value == {"alive": False, "exit_code": -9, "stop_requested": False}
     assert read_process(None).unknown == "stage not started"
+
+
+def test_a_failed_stage_reports_the_last_line_of_its_log(tmp_path):
+    log = tmp_path / "extract.log"
+    log.write_text("sample 9/10\nextract: No space left on device; free space, then run the same command to resume\n\n")
+    row = {"state": "exited", "exit_code": 2, "signal": None, "stop_requested": 0, "log": str(log)}
+    assert read_process(row).value["last_line"].startswith("extract: No space left on device")
+    assert "last_line" not in read_process({**row, "exit_code": 0}).value
+    assert "last_line" not in read_process({**row, "stop_requested": 1}).value
