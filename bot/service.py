@@ -13,6 +13,9 @@ from pipeline.monitor import Monitor
 def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None = None,
           host: str = "127.0.0.1") -> int:
     """Run until SIGTERM/SIGINT (or `max_ticks`); with `http_port`, also Slack's HTTP events."""
+    from pipeline.store import Store
+
+    Store(ws.store_path).close()  # an unusable store stops us here, with its one line, before any thread starts
     notifier = _notifier(ws)
     if notifier:
         transport = f"posting to {notifier.channel}"
