@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench drills lint clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run
+
+# The reliability drills with more trials (DRILL_TRIALS, default 20; about 15 minutes on 2 cores).
+drills: $(STAMP)
+	$(PY) -m bench.drills
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check bot handlers pipeline tests bench

@@ -38,3 +38,15 @@ def timed(fn, repeat: int = 1) -> list[float]:
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def write_block(name: str, lines: list[str]) -> None:
+    """Replace this tool's block of RESULTS.md (between its markers), keeping the other tools' blocks."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    text = RESULTS.read_text() if RESULTS.exists() else ""
+    block = "\n".join([begin, *lines, end])
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+    RESULTS.write_text(text)

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from bench.common import RESULTS, machine
+from bench.common import RESULTS, machine, write_block
 
 SECTIONS = ["bench.scanner", "bench.status_path", "bench.diagnosis_bench", "bench.extract_bench", "bench.train_bench"]
 
@@ -23,7 +23,7 @@ def main() -> int:
         t = time.perf_counter()
         lines += importlib.import_module(name).run(full=full)
         print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
+    write_block("bench", lines)
     print(f"wrote {RESULTS}")
     return 0
 

@@ -43,6 +43,10 @@ class Tally:
     message_duplicates: int = 0
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    phases: dict[str, int] = field(default_factory=dict)  # where the faults landed
+
+    def landed(self, phase: str) -> None:
+        self.phases[phase] = self.phases.get(phase, 0) + 1
 
     def problem(self, trial: int, text: str) -> None:
         self.problems.append(f"trial {trial}: {text}")
@@ -216,7 +220,7 @@ def kill9_serve(base: Path, *, trials: int, real_trainer_trials: int = 1, seed: 
     tally, rng, started = Tally("kill -9 of eagle3 serve during extraction and handoff"), random.Random(seed), time.time()
     for trial in range(trials):
         fake = FakeSlack()
-        ws = DrillWorkspace(base / f"kill9-{trial}", samples=rng.randint(40, 80), slack_url=fake.url,
+        ws = DrillWorkspace(base / f"kill9-{trial}", samples=rng.randint(30, 60), slack_url=fake.url,
                             real_trainer=trial < real_trainer_trials, seed=trial)
         try:
             for args in (("start", "server"), ("start", "extract"), ("autostart", "on")):
@@ -231,6 +235,9 @@ def kill9_serve(base: Path, *, trials: int, real_trainer_trials: int = 1, seed: 
                     extracting = (ws.latest("extract") or {}).get("state") == "running"
                     time.sleep(rng.uniform(0.5, 4.0) if extracting else rng.uniform(0.1, 2.0))
                     ws.kill9(svc)
+                    step = (ws.kv("handoff") or {}).get("step")
+                    tally.landed("extraction running" if step in (None, "armed", "waiting-for-completion")
+                                 and (ws.latest("extract") or {}).get("state") == "running" else f"handoff: {step}")
                     kills += 1
                     continue
                 finished = wait(lambda ws=ws: (ws.latest("train") or {}).get("state") == "exited"
@@ -341,11 +348,16 @@ def disk_full(base: Path, *, trials: int) -> Tally:
             wait(lambda ws=ws: (ws.latest("extract") or {}).get("state") != "running", timeout=60)
             tally.faults += 1
             conn = sqlite3.connect(out / "manifest.sqlite")
-            done = conn.execute("SELECT COUNT(*) FROM samples WHERE status = 'done'").fetchone()[0]
+            done = {r[0] for r in conn.execute("SELECT idx FROM samples WHERE status = 'done'")}
             conn.close()
-            finals = [p for p in (out / "hidden_states").iterdir() if p.name.endswith(".safetensors")]
-            if done >= ws.samples or len(finals) != done:
-                tally.problem(trial, f"while full: {done} done, {len(finals)} files")
+            names = [p.name for p in (out / "hidden_states").iterdir()]
+            files = {int(n[3:].split(".")[0]) for n in names if n.endswith(".safetensors")}
+            temps = [n for n in names if not n.endswith(".safetensors")]
+            # A file renamed into place whose manifest row could not be written is complete but not
+            # counted: the resumed run extracts that sample again. A row without its file would be a loss.
+            if len(done) >= ws.samples or done - files or temps:
+                tally.problem(trial, f"while full: {len(done)} done, counted without a file {sorted(done - files)}, "
+                                     f"temp files {temps[:3]}")
             subprocess.run(["mount", "-o", "remount,size=64m", str(out)], check=True)
             ws.cli("stop", "extract")
             r = ws.cli("start", "extract")  # the operator's restart after freeing space
