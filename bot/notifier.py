@@ -37,6 +37,7 @@ class Notifier:
         channel = channel or ws.config.slack.channel
         self.channel = channel if channel and not PLACEHOLDER.search(channel) else None
         self.k = key_prefix
+        self.started_at = clock()
         self.last_sent: dict[str, float] = {}
 
     def tick(self, store: Store) -> None:
@@ -50,10 +51,10 @@ class Notifier:
 
     def collect(self, store: Store) -> None:
         after = store.get(self.k + "notifier_after")
-        if after is None:  # first start: history is in `/eagle3 status`, not re-posted
-            events = store.events()
-            store.put(self.k + "notifier_after", events[-1]["id"] if events else 0)
-            return
+        if after is None:  # first start: history from before it is in `/eagle3 status`, not re-posted
+            older = [e["id"] for e in store.events() if e["t"] < self.started_at]
+            after = older[-1] if older else 0
+            store.put(self.k + "notifier_after", after)
         for event in store.events(after_id=after):
             msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids,
                                 patterns=self.ws.config.slack.redact_patterns)

@@ -37,7 +37,10 @@ def event_message(event: dict, *, oncall: list[str], patterns: list[str] = ()) -
     if kind == "reminder":
         parts = [f"{s}: {v['verdict']}" + (f" {v['progress_pct']:.1f} %" if v.get("progress_pct") is not None else "")
                  + (f", about {ago(v['eta_s'])} to go" if v.get("eta_s") else "") for s, v in d["status"].items()]
-        return "reminder", f"<@{d['by'].removeprefix('slack:')}> checking back as asked: " + "; ".join(parts), None
+        by = d["by"]
+        who = f"<@{by.removeprefix('slack:')}> checking back as asked" if by.startswith("slack:") else \
+            f"checking back as asked by {by}"
+        return "reminder", f"{who}: " + ("; ".join(parts) or "no stage observed yet"), None
     return None
 
 

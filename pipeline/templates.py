@@ -26,6 +26,7 @@ allowed_user_ids = []        # who may start, stop, arm auto-start (empty: nobod
 allowed_channel_ids = []     # where the bot answers (empty: anywhere)
 oncall_user_ids = []         # @-mentioned on alerts
 post_interval_min = 30
+redact_patterns = ["hf_[A-Za-z0-9]{20,}"]  # also masked in log excerpts posted to Slack
 
 [stages.server]
 # sglang lives in its own environment on the GPU host (it pins its own torch).

@@ -190,6 +190,11 @@ class DrillWorkspace:
             expected = sum(1 for _, t, _ in rows if t == text)
             tally.message_duplicates += max(0, posted.count(text) - max(expected, 1))
 
+    def check_outcome(self, tally: Tally, trial: int, fake) -> None:
+        """Samples and messages, after the run."""
+        self.check_samples(tally, trial)
+        self.check_delivery(tally, trial, fake)
+
     def check_clean(self, tally: Tally, trial: int) -> None:
         self.stop_all()
         left = self.leftovers()
@@ -262,8 +267,7 @@ def kill9_serve(base: Path, *, trials: int, real_trainer_trials: int = 1, seed: 
                 steps = [json.loads(x)["step"] for x in (ws.root / "ckpt" / "progress.jsonl").read_text().splitlines()]
                 if steps != sorted(set(steps)):
                     tally.problem(trial, f"torchrun progress steps repeat: {steps[:10]}…")
-            ws.check_samples(tally, trial)
-            ws.check_delivery(tally, trial, fake)
+            ws.check_outcome(tally, trial, fake)
         finally:
             ws.check_clean(tally, trial)
             fake.close()
@@ -302,8 +306,7 @@ def server_crash(base: Path, *, trials: int, seed: int = 2) -> Tally:
             if not alerts:
                 tally.problem(trial, "no alert for the server crash")
             ws.terminate(svc)
-            ws.check_samples(tally, trial)
-            ws.check_delivery(tally, trial, fake)
+            ws.check_outcome(tally, trial, fake)
         finally:
             if svc:
                 ws.terminate(svc)
@@ -367,8 +370,7 @@ def disk_full(base: Path, *, trials: int) -> Tally:
                         timeout=120):
                 tally.problem(trial, f"did not resume to done: {ws.kv('verdict:extract')}")
             ws.terminate(svc)
-            ws.check_samples(tally, trial)
-            ws.check_delivery(tally, trial, fake)
+            ws.check_outcome(tally, trial, fake)
         finally:
             if svc:
                 ws.terminate(svc)

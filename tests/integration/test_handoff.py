@@ -235,7 +235,7 @@ def test_server_crash_is_restarted_and_extraction_resumes(tmp_path):
         finally:
             output = finish(svc)
         assert st["stages"]["extract"]["exit_code"] == 0 and st["stages"]["extract"]["verdict"] == "done", output
-        assert "server: restarted (attempt 1 of 3)" in output
+        assert "server restarted (attempt 1 of 3)" in output
         assert eagle3("verify", str(cfg.parent / "out"), "--config", str(cfg)).returncode == 0
     finally:
         cleanup(cfg)
@@ -249,6 +249,6 @@ def test_double_arm_is_one_handoff_and_reminder_is_delivered(completed_ws):
     assert "no monitor is running" in eagle3("remind", "1s", "--config", str(cfg)).stdout
     time.sleep(1.2)
     out = eagle3("serve", "--max-ticks", "6", "--config", str(cfg), timeout=90).stdout
-    assert "reminder (asked by cli:" in out and "extract done 100.0 %" in out
-    assert out.count("auto-start: stopping-server") == 1
+    assert "checking back as asked by cli:" in out and "extract: done 100.0 %" in out
+    assert out.count("auto-start: *stopping-server*") == 1
     assert len(train_rows(cfg)) == 1

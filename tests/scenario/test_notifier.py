@@ -189,7 +189,7 @@ def test_console_transport_prints_blocks_as_text_with_its_own_cursor(env, capsys
 
     store = env["store"]
     slack, console = env["notifier"](), console_notifier(env["ws"])
-    console.clock = slack.clock
+    console.clock, console.started_at = slack.clock, slack.started_at
     slack.tick(store)
     console.tick(store)
     verdict(store, "extract", "progressing", "stalled", ("no progress for 3m10s", "CPU time flat"))
@@ -225,3 +225,14 @@ def test_alert_evidence_quoting_a_log_is_redacted(env, monkeypatch):
     n.tick(store)
     text = fake.of("chat.postMessage")[0]["text"]
     assert "its log ends: auth failed for [redacted]" in text and token not in text
+
+
+def test_events_from_before_the_start_are_history_but_the_first_ticks_own_are_posted(env):
+    store, fake = env["store"], env["fake"]
+    verdict(store, "extract", "progressing", "stalled")  # before this service started: in /eagle3 status only
+    env["clock"]["t"] += 1
+    n = env["notifier"]()
+    store.add_event(kind="reminder", run_id="r1", data={"by": "cli:root", "status": {}})  # made by the first tick
+    n.tick(store)
+    assert [c["text"] for c in fake.of("chat.postMessage")] == [
+        "checking back as asked by cli:root: no stage observed yet"]
