@@ -91,8 +91,6 @@ def _notifier(ws: Workspace):
 
 def _schedule_status_posts(ws: Workspace, notifier):
     """APScheduler 3.x: one status post per run, updated in place every post_interval_min (and at start)."""
-    from datetime import datetime
-
     from apscheduler.schedulers.background import BackgroundScheduler
 
     from pipeline.controller import Controller
@@ -106,9 +104,10 @@ def _schedule_status_posts(ws: Workspace, notifier):
         finally:
             ctl.close()
 
+    post()  # at start, before the first tick: the steps and milestones that follow are replies in its thread
     scheduler = BackgroundScheduler(job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 60})
     scheduler.add_job(post, "interval", minutes=ws.config.slack.post_interval_min, id="status-post",
-                      replace_existing=True, next_run_time=datetime.now())
+                      replace_existing=True)
     scheduler.start()
     return scheduler
 
