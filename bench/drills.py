@@ -53,7 +53,7 @@ def main() -> int:
     problems = [f"- {t.drill}: {p}" for t in tallies for p in t.problems]
     lines += ["", "Problems found:" if problems else "No problem found.", *problems]
     write_block("drills", lines)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {RESULTS}; the drills' workspaces are kept in {base}")
     return 1 if problems else 0
 
 
