@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bot.service import console_notifier
-from pipeline.config import load_workspace
+from pipeline.config import STAGE_NAMES, load_workspace
 from pipeline.controller import Controller
 from pipeline.demo_workspace import write_demo_workspace
 from pipeline.errors import UserError
@@ -117,7 +117,7 @@ def _summary(root: Path, ws, started: float) -> None:
     conn.close()
     ctl = Controller(workspace=ws)
     try:
-        procs = {s: ctl.store.latest_proc(s) for s in ("server", "extract", "train")}
+        procs = {s: ctl.store.latest_proc(s) for s in STAGE_NAMES}
         steps = {e["data"]["step"]: e["t"] for e in ctl.store.events(kind="handoff")}
         first_step = next((o["t"] for o in ctl.store.observations(stage="train")
                            if (o.get("progress") or {}).get("done")), None)

@@ -17,7 +17,7 @@ from slack_sdk.errors import SlackApiError
 
 from handlers.alerts import alert_buttons, escalation_text, event_message, milestone_text
 from handlers.blocks import status_blocks, text_blocks
-from pipeline.config import PLACEHOLDER, Workspace
+from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.store import Store
 
 log = logging.getLogger("eagle3.notifier")
@@ -82,7 +82,7 @@ class Notifier:
 
     def escalate(self, store: Store) -> None:
         """One reminder when a stage is still stalled `escalate_s` after its alert."""
-        for stage in ("server", "extract", "train"):
+        for stage in STAGE_NAMES:
             v = store.get(f"verdict:{stage}") or {}
             alerted = store.get(self.k + f"alerted:{stage}:stalled")
             key = self.k + f"escalated:{stage}:{alerted}"

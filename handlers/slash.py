@@ -7,6 +7,7 @@ import threading
 from handlers.auth import MUTATING, redact, refusal
 from handlers.blocks import confirm_blocks, status_blocks, text_blocks
 from handlers.views import ago, autostart_text, train_guard_text, verdict_line
+from pipeline.config import STAGE_NAMES
 from pipeline.errors import UserError
 
 SUBCOMMANDS = {  # usage -> what it answers; the help text, the docs test and the app manifest use this
@@ -85,9 +86,6 @@ def _train_later(controller_factory, user: str, respond) -> None:
     respond(text=text, response_type="in_channel", replace_original=False)
 
 
-STAGES = ("server", "extract", "train")
-
-
 def _name_a_stage(verb: str) -> tuple[str, list]:
     text = f"`/eagle3 {verb} STAGE`: name server, extract or train"
     return text, text_blocks(text)
@@ -110,7 +108,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         return text, text_blocks(text)
     if verb == "logs":
         stage = args[0] if args else "extract"
-        if stage not in STAGES:
+        if stage not in STAGE_NAMES:
             return _name_a_stage(verb)
         _, lines = ctl.logs(stage, lines=30)
         body = redact("\n".join(lines), patterns=ctl.ws.config.slack.redact_patterns)[-2800:] or "(no output yet)"
@@ -131,7 +129,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         return text, text_blocks(text)
     if verb in ("stop", "restart"):
         stage = args[0] if args else ""
-        if stage not in STAGES:
+        if stage not in STAGE_NAMES:
             return _name_a_stage(verb)
         text = f"{verb.capitalize()} *{stage}*? Its whole process group gets SIGTERM, then SIGKILL after the grace period."
         return text, text_blocks(text) + confirm_blocks(verb, stage, ctl.state_version())
