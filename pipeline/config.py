@@ -48,10 +48,7 @@ class StageConfig(_Section):
     @classmethod
     def _regex(cls, value: str | None) -> str | None:
         if value is not None:
-            try:
-                compiled = re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"not a valid regular expression ({exc})") from None
+            compiled = _compile(value, "not a valid regular expression")
             if "done" not in compiled.groupindex:
                 raise ValueError("the regex needs a named group (?P<done>\\d+)")
         return value
@@ -99,6 +96,14 @@ class Stages(_Section):
     train: TrainStage = Field(default_factory=TrainStage, description="Training stage.")
 
 
+def _compile(pattern: str, what: str) -> re.Pattern:
+    """A compiled regex, or the ValueError pydantic turns into the config's one-line error."""
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{what} ({exc})") from None
+
+
 SECRET_ENV = ("SLACK_BOT_TOKEN", "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET")
 
 
@@ -122,10 +127,7 @@ class SlackConfig(_Section):
     @classmethod
     def _patterns(cls, value: list[str]) -> list[str]:
         for i, pattern in enumerate(value):
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"entry {i} ({pattern!r}) is not a valid regular expression ({exc})") from None
+            _compile(pattern, f"entry {i} ({pattern!r}) is not a valid regular expression")
         return value
 
 

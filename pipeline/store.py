@@ -214,9 +214,8 @@ class Store:
 
     def pending_messages(self, channel: str | None = None) -> list[dict]:
         """Undelivered messages (to one channel, or all), oldest first."""
-        if channel is None:
-            return list(self.db["outbox"].rows_where("status = 'pending'", order_by="id"))
-        return list(self.db["outbox"].rows_where("status = 'pending' AND channel = ?", [channel], order_by="id"))
+        where, args = ("status = 'pending'", []) if channel is None else ("status = 'pending' AND channel = ?", [channel])
+        return list(self.db["outbox"].rows_where(where, args, order_by="id"))
 
     def outbox_summary(self) -> dict:
         """Counts of pending and failed outgoing messages, with the newest error (for `eagle3 status`)."""
