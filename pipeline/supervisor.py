@@ -86,9 +86,9 @@ class Supervisor:
         self.refresh()
         proc = self.store.latest_proc(stage)
         if proc and StageState(proc["state"]) in MAYBE_ALIVE_STATES:
-            raise StageError(
-                f"{stage} is already {proc['state']} (pid {proc['pid']}); stop it first with `eagle3 stop {stage}`"
-            )
+            who = f"pid {proc['pid']}" if proc["pid"] is not None else "its process is being started"
+            raise StageError(f"{stage} is already {proc['state']} ({who}); see `eagle3 status`, "
+                             f"or stop it first with `eagle3 stop {stage}`")
         run_id = self.store.open_run()
         argv = self.ws.stage(stage).argv
         with self.store.atomic():

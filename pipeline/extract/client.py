@@ -12,6 +12,7 @@ import asyncio
 import errno
 import json
 import signal
+import sqlite3
 import sys
 import time
 from dataclasses import dataclass
@@ -139,7 +140,7 @@ class Extractor:
                                      tokens_total=data.tokens_total)
         self.jobs: asyncio.Queue[_Job] = asyncio.Queue()
         self.answers: asyncio.Queue[tuple[_Job, bytes]] = asyncio.Queue(maxsize=2 * self.o.concurrency)
-        self.remaining, self.inflight, self.storing = len(todo), 0, 0
+        self.remaining, self.inflight, self.storing, self.writing = len(todo), 0, 0, 0
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
@@ -163,13 +164,20 @@ class Extractor:
 
     async def _until_finished(self) -> None:
         """All samples recorded; or a fatal error; or, after a stop, the work in flight drained
-        (bounded by STOP_DRAIN_S: what is still in flight then is abandoned, not recorded)."""
+        (bounded by STOP_DRAIN_S: what is still in flight then is abandoned, not recorded).
+        A write already in a thread cannot be interrupted, so it is always waited for and recorded:
+        cancelling its task instead would leave a complete file the manifest does not count."""
         drain_deadline = None
-        while self.remaining and self.fatal is None:
-            if self.stopping.is_set():
+        while True:
+            if not self.remaining or self.fatal is not None:
+                ended = True
+            elif self.stopping.is_set():
                 drain_deadline = drain_deadline or time.monotonic() + STOP_DRAIN_S
-                if (not self.inflight and not self.storing) or time.monotonic() > drain_deadline:
-                    return
+                ended = (not self.inflight and not self.storing) or time.monotonic() > drain_deadline
+            else:
+                ended = False
+            if ended and not self.writing:
+                return
             await asyncio.sleep(0.05)
 
     def _ending(self) -> bool:
@@ -240,8 +248,15 @@ class Extractor:
     async def _storer(self) -> None:
         while True:
             job, content = await self.answers.get()
+            if self.fatal is not None:
+                self.storing -= 1
+                continue  # abandoned: not recorded, so it is extracted on resume
+            self.writing += 1
             try:
-                nbytes = await asyncio.to_thread(self._store, content, job.idx, job.ids, job.sid, self.plan)
+                try:
+                    nbytes = await asyncio.to_thread(self._store, content, job.idx, job.ids, job.sid, self.plan)
+                finally:
+                    self.writing -= 1
                 self._finish(job, "done", nbytes=nbytes)
             except BadResponse as exc:
                 self._retry(job, exc.reason, retryable=exc.retry)
@@ -271,8 +286,16 @@ class Extractor:
 
     def _finish(self, job: _Job, status: str, *, nbytes: int | None = None, error: str | None = None) -> None:
         tokens = len(job.ids) if job.ids else None
-        self.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
-                             attempts=job.attempts, error=None if error is None else error[:500], now=time.time())
+        try:
+            self.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
+                                 attempts=job.attempts, error=None if error is None else error[:500],
+                                 now=time.time())
+        except sqlite3.Error as exc:
+            if status == "done":  # a file the manifest cannot count must not stay to be mistaken for one
+                sample_path(self.o.out, job.idx).unlink(missing_ok=True)
+            self.fatal = DiskError(f"cannot record sample {job.idx} in {self.o.out / 'manifest.sqlite'}: {exc}; "
+                                   "free space or fix permissions, then run the same command to resume")
+            return
         if status == "done" and self.width and not self.hidden_recorded:
             self.manifest.set_meta({"hidden_size": self.width // self.plan.layers})
             self.hidden_recorded = True

@@ -359,21 +359,23 @@ def disk_full(base: Path, *, trials: int) -> Tally:
                 tally.problem(trial, f"no alert naming the full disk; extract {ws.kv('verdict:extract')}")
             wait(lambda ws=ws: (ws.latest("extract") or {}).get("state") != "running", timeout=60)
             tally.faults += 1
+            # Grown before looking: sqlite cannot open a WAL database on a full filesystem (it needs
+            # room for the -shm file), and growing changes no file.
+            subprocess.run(["mount", "-o", "remount,size=64m", str(out)], check=True)
             conn = sqlite3.connect(out / "manifest.sqlite")
             done = {r[0] for r in conn.execute("SELECT idx FROM samples WHERE status = 'done'")}
             conn.close()
             names = [p.name for p in (out / "hidden_states").iterdir()]
             files = {int(n[3:].split(".")[0]) for n in names if n.endswith(".safetensors")}
             temps = [n for n in names if not n.endswith(".safetensors")]
-            # A file renamed into place whose manifest row could not be written is complete but not
-            # counted: the resumed run extracts that sample again. A row without its file would be a loss.
-            if len(done) >= ws.samples or done - files or temps:
+            # A row without its file would be a loss; a file without its row, an uncounted sample.
+            if len(done) >= ws.samples or done != files or temps:
                 tally.problem(trial, f"while full: {len(done)} done, counted without a file {sorted(done - files)}, "
-                                     f"temp files {temps[:3]}")
-            subprocess.run(["mount", "-o", "remount,size=64m", str(out)], check=True)
+                                     f"file without a row {sorted(files - done)}, temp files {temps[:3]}")
             ws.cli("stop", "extract")
             r = ws.cli("start", "extract")  # the operator's restart after freeing space
-            if r.returncode:
+            # The on-failure policy (1 s backoff in the demo config) may have restarted it first.
+            if r.returncode and "extract is already running" not in r.stderr:
                 tally.problem(trial, f"restart refused: {r.stderr.strip()}")
             if not wait(lambda ws=ws: (ws.kv("verdict:extract") or {}).get("verdict") == "done" and ws.pending() == 0,
                         timeout=120):

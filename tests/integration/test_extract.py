@@ -150,7 +150,7 @@ def test_garbage_answers_are_retried_then_failed(tmp_path):
 
 
 def test_concurrency_is_held(tmp_path):
-    server = ToyServer("--latency-ms", "100", "--fixed-reply")
+    server = ToyServer("--latency-ms", "400", "--fixed-reply")  # wide enough for 8 to overlap on a busy machine
     try:
         write_dataset(tmp_path / "d.jsonl", 64, seed=5)
         assert run_extract(server.url, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", "8").returncode == 0
@@ -215,7 +215,8 @@ def test_disk_full_injected_is_clear_and_resumable(toy, tmp_path, monkeypatch):
         extract(opts)
     rows = manifest_rows(tmp_path / "out")
     assert 0 < len(rows) < 40 and all(r[0] == "done" for r in rows.values())
-    assert not [p for p in (tmp_path / "out" / "hidden_states").iterdir() if p.name.endswith(".tmp")]
+    files = sorted(p.name for p in (tmp_path / "out" / "hidden_states").iterdir())
+    assert files == sorted(f"hs_{i}.safetensors" for i in rows), "every file counted, no temp files"
     monkeypatch.setattr(writer, "save_file", real_save)  # space freed
     assert extract(opts) == 0
     assert_complete(tmp_path / "out", samples)
@@ -231,11 +232,44 @@ def test_disk_full_on_a_real_small_filesystem(toy, tmp_path):
         res = run_extract(toy.url, tmp_path / "d.jsonl", mnt / "out", "--dtype", "fp32")
         assert res.returncode == 2 and "No space left on device; free space" in res.stderr
         assert "Traceback" not in res.stderr
+        # sqlite cannot open a WAL database on a full filesystem (no room for -shm): grow it first.
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
         rows = manifest_rows(mnt / "out")
-        files = list((mnt / "out" / "hidden_states").iterdir())
-        assert all(r[0] == "done" for r in rows.values()) and len(files) == len(rows)
+        files = sorted(p.name for p in (mnt / "out" / "hidden_states").iterdir())
+        assert all(r[0] == "done" for r in rows.values())
+        assert files == sorted(f"hs_{i}.safetensors" for i in rows), "every file counted, no temp files"
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_manifest_write_failure_leaves_no_uncounted_file(toy, tmp_path, monkeypatch):
+    """The file is renamed into place, then its manifest row cannot be written (the database's
+    disk is full): the file is removed, the run ends with one clear line, and a rerun completes."""
+    from pipeline.errors import UserError
+    from pipeline.extract.client import Options, extract
+    from pipeline.manifest import Manifest
+
+    samples = write_dataset(tmp_path / "d.jsonl", 30, seed=10)
+    real_record, calls = Manifest.record, {"n": 0}
+
+    def full(self, **kw):
+        calls["n"] += 1
+        if calls["n"] > 12:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_record(self, **kw)
+
+    monkeypatch.setattr(Manifest, "record", full)
+    opts = Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=4)
+    with pytest.raises(UserError, match=r"cannot record sample \d+ in .*manifest.sqlite: database or disk is full; "
+                                        "free space"):
+        extract(opts)
+    rows = manifest_rows(tmp_path / "out")
+    assert len(rows) == 12
+    files = sorted(p.name for p in (tmp_path / "out" / "hidden_states").iterdir())
+    assert files == sorted(f"hs_{i}.safetensors" for i in rows)
+    monkeypatch.setattr(Manifest, "record", real_record)
+    assert extract(opts) == 0
+    assert_complete(tmp_path / "out", samples)
 
 
 def test_sigterm_finishes_cleanly_and_resumes(tmp_path):
