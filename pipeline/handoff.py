@@ -14,6 +14,7 @@ import time
 from pipeline import completion
 from pipeline.config import Workspace
 from pipeline.errors import UserError
+from pipeline.states import MAYBE_ALIVE_STATES
 from pipeline.store import Store
 from pipeline.supervisor import Supervisor
 
@@ -156,11 +157,19 @@ class Handoff:
 
     def _launching(self, state: dict) -> None:
         floor = state.get("train_floor") or 0
+
+        def rows() -> list[dict]:
+            return list(self.store.db["stage_procs"].rows_where("stage = ? AND id > ?", ["train", floor],
+                                                               order_by="id"))
+
+        # Rows above the floor are this handoff's launches (the row `start` inserts is the
+        # idempotency record). One with a pid was launched. One without a pid is still being
+        # started, or was left by a service killed mid-start: refresh closes it as never started
+        # once no runner has taken it up for RUNNER_START_TIMEOUT_S, and it then does not count.
         self.sup.refresh()
-        # A row whose runner died before the stage got a pid never ran: it does not count.
-        launched = [p for p in self.store.db["stage_procs"].rows_where("stage = ? AND id > ?", ["train", floor])
-                    if p["pid"] is not None or p["state"] == "running"]
-        if not launched:
-            self.sup.start("train")  # the row it inserts is the idempotency record
-            launched = list(self.store.db["stage_procs"].rows_where("stage = ? AND id > ?", ["train", floor]))
-        self._set(TRAINING, f"training launched (pid {launched[0]['pid']})", train_proc_id=launched[0]["id"])
+        if not any(p["pid"] is not None or p["state"] in MAYBE_ALIVE_STATES for p in rows()):
+            self.sup.start("train")
+        started = [p for p in rows() if p["pid"] is not None]
+        if not started:
+            return self._note("waiting for the training runner to report its pid")
+        self._set(TRAINING, f"training launched (pid {started[0]['pid']})", train_proc_id=started[0]["id"])

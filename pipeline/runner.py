@@ -20,7 +20,7 @@ from pipeline.host import RealHost
 from pipeline.logfile import RotatingLog
 from pipeline.states import StageState, transition
 from pipeline.store import Store
-from pipeline.supervisor import record_exit
+from pipeline.supervisor import claim_row, record_exit
 
 DRAIN_AFTER_EXIT_S = 5.0
 
@@ -43,9 +43,13 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
     """Run one stage process to its end; returns the runner's own exit status."""
     store = Store(ws.store_path)
     host = RealHost()
-    proc = store.proc(proc_id)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     log = RotatingLog(ws.log_path(stage), max_bytes=ws.config.state.log_max_bytes, keep=ws.config.state.log_keep)
+    proc = claim_row(store, proc_id, runner_pid=os.getpid(), runner_create_time=host.create_time(os.getpid()))
+    if proc is None:
+        log.write(f"eagle3: not starting {stage}: its start record {proc_id} was already closed or taken\n".encode())
+        log.close()
+        return 0
     cfg = ws.stage(stage)
     try:
         child = subprocess.Popen(

@@ -17,7 +17,8 @@ from pipeline.host import SIGKILL, SIGTERM, Member, RealHost
 from pipeline.states import MAYBE_ALIVE_STATES, StageState, transition
 from pipeline.store import Store
 
-RUNNER_START_TIMEOUT_S = 10.0
+RUNNER_START_TIMEOUT_S = 10.0  # a row no live runner has started by then never will
+RUNNER_AWAIT_MAX_S = 60.0  # how long `start` waits for a live runner's pid
 KILL_WAIT_S = 5.0
 
 
@@ -51,10 +52,7 @@ class Supervisor:
     def _reconcile(self, proc: dict) -> None:
         state = StageState(proc["state"])
         if proc["pid"] is None:
-            if self._runner_alive(proc):
-                return  # the runner is still launching the child
-            if state == StageState.RUNNING:
-                transition(self.store, proc, StageState.UNKNOWN, reason="the runner died before the stage started")
+            self._close_if_never_started(proc)
             return
         seen = self.host.identity(proc["pid"], proc["create_time"])
         if seen == "alive":
@@ -73,6 +71,24 @@ class Supervisor:
 
     def _runner_alive(self, proc: dict) -> bool:
         return self.host.identity(proc["runner_pid"], proc["runner_create_time"]) == "alive"
+
+    def _close_if_never_started(self, proc: dict) -> bool:
+        """A row with no pid whose runner is gone, or that no runner took up, for
+        RUNNER_START_TIMEOUT_S never started its stage: close it (exited, no exit code) so that
+        a start or the handoff may launch the stage again. A runner takes its row up in the
+        same kind of transaction (`claim_row`), so a late one finds it closed and starts nothing."""
+        with self.store.atomic():
+            row = self.store.proc(proc["id"])
+            if (row["pid"] is not None or StageState(row["state"]) not in MAYBE_ALIVE_STATES
+                    or self._runner_alive(row)
+                    or self.host.clock() - (row["started_at"] or 0) < RUNNER_START_TIMEOUT_S):
+                return False
+            why = (f"its runner (pid {row['runner_pid']}) died before starting it" if row["runner_pid"]
+                   else f"no runner took it up within {RUNNER_START_TIMEOUT_S:.0f} s (the service that started it "
+                        "may have died)")
+            transition(self.store, row, StageState.EXITED, ended_at=self.host.clock(), reason=f"never started: {why}")
+        proc.update(row)
+        return True
 
     def is_running(self, stage: str) -> bool:
         """True when the stage's latest process is verified alive."""
@@ -104,14 +120,14 @@ class Supervisor:
         return self._await_pid(proc_id)
 
     def _await_pid(self, proc_id: int) -> dict:
-        deadline = self.host.clock() + RUNNER_START_TIMEOUT_S
+        """Wait for the runner to report the stage's pid; a runner that dies first (or a slow one
+        past RUNNER_AWAIT_MAX_S) leaves the row closed as never started (or still starting)."""
+        deadline = self.host.clock() + RUNNER_AWAIT_MAX_S
         while True:
             proc = self.store.proc(proc_id)
             if proc["pid"] is not None or proc["state"] != StageState.RUNNING:
                 return proc
-            if self.host.clock() > deadline:
-                transition(self.store, proc, StageState.UNKNOWN,
-                           reason=f"the runner did not report a pid within {RUNNER_START_TIMEOUT_S:.0f} s")
+            if self._close_if_never_started(proc) or self.host.clock() > deadline:
                 return proc
             self.host.sleep(0.05)
 
@@ -176,6 +192,17 @@ class Supervisor:
         if run_id:
             self.store.close_run(run_id, reason="all stages stopped")
         return results
+
+
+def claim_row(store: Store, proc_id: int, *, runner_pid: int, runner_create_time: float | None) -> dict | None:
+    """The runner takes up its row before starting anything: returns the row, or None when the
+    row was closed meanwhile (the supervisor concluded it never started) or already has a stage."""
+    with store.atomic():
+        row = store.proc(proc_id)
+        if not row or row["state"] != StageState.RUNNING or row["pid"] is not None:
+            return None
+        store.update_proc(proc_id, runner_pid=runner_pid, runner_create_time=runner_create_time)
+    return store.proc(proc_id)
 
 
 def record_exit(store: Store, proc_id: int, *, returncode: int, now: float, reason: str = "") -> dict:

@@ -263,6 +263,8 @@ def kill9_serve(base: Path, *, trials: int, real_trainer_trials: int = 1, seed: 
                 n = len(launches.read_text().splitlines()) if launches.exists() else 0
                 if n != 1:
                     tally.problem(trial, f"the trainer ran {n} times")
+            elif not (ws.root / "ckpt" / "progress.jsonl").exists():
+                tally.problem(trial, "torchrun wrote no progress.jsonl")
             else:
                 steps = [json.loads(x)["step"] for x in (ws.root / "ckpt" / "progress.jsonl").read_text().splitlines()]
                 if steps != sorted(set(steps)):

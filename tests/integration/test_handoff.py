@@ -111,7 +111,7 @@ STEPS = ["armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-
 def test_service_death_at_each_step_resumes_and_launches_once(completed_ws):
     cfg = completed_ws
     ws = load_workspace(cfg)
-    for i, step in enumerate(STEPS + ["launching-training+row"]):
+    for i, step in enumerate(STEPS + ["launching-training+row", "launching-training+orphan"]):
         # The world as the dead service left it: the server still up before the stop step, stopped after it.
         server_up = Controller(workspace=ws).supervisor.is_running("server")
         if step in STEPS[:3] and not server_up:
@@ -126,15 +126,22 @@ def test_service_death_at_each_step_resumes_and_launches_once(completed_ws):
         store.put("handoff", state)
         if step.endswith("+row"):  # died right after launching: the train row exists
             Supervisor(workspace=ws, store=store).start("train")
+        if step.endswith("+orphan"):  # died between inserting the train row and spawning its runner, 11 s ago
+            store.insert_proc({"run_id": store.current_run() or store.open_run(), "stage": "train",
+                               "state": "running", "argv": "[]", "started_at": time.time() - 11,
+                               "stop_requested": 0})
         store.close()
         out = eagle3("serve", "--max-ticks", "8", "--config", str(cfg), timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
         st = status(cfg)
         assert st["autostart"] == "training-running", (step, st["autostart_reason"], out.stdout)
-        assert len(train_rows(cfg)) == before + 1, f"step {step}: training must be launched exactly once"
+        started = [r for r in train_rows(cfg)[before:] if r["pid"] is not None]
+        assert len(started) == 1, f"step {step}: training must be launched exactly once"
+        if step.endswith("+orphan"):
+            assert train_rows(cfg)[before]["reason"].startswith("never started: no runner took it up")
         assert st["stages"]["server"]["state"] == "stopped"
         assert eagle3("stop", "train", "--grace", "2", "--config", str(cfg)).returncode == 0
-        assert i < len(STEPS) + 1
+        assert i < len(STEPS) + 2
 
 
 def test_kill_9_of_the_service_mid_handoff(completed_ws):

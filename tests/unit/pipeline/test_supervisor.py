@@ -8,7 +8,7 @@ from pipeline.config import Workspace, parse_config
 from pipeline.errors import StageError
 from pipeline.host import SIGKILL, SIGTERM, Member
 from pipeline.store import Store
-from pipeline.supervisor import Supervisor, record_exit
+from pipeline.supervisor import RUNNER_START_TIMEOUT_S, Supervisor, claim_row, record_exit
 
 
 class FakeHost:
@@ -139,3 +139,45 @@ def test_illegal_transition_asserts(setup):
     record_exit(store, proc_id, returncode=0, now=host.now)
     with pytest.raises(AssertionError, match="exited -> running"):
         transition(store, store.proc(proc_id), StageState.RUNNING)
+
+
+def add_unstarted(store, host, *, runner_pid=None):
+    """A row as `start` leaves it before any runner reported a pid."""
+    return store.insert_proc({"run_id": store.open_run(), "stage": "train", "state": "running", "pid": None,
+                              "runner_pid": runner_pid, "runner_create_time": host.procs.get(runner_pid),
+                              "argv": json.dumps(["x"]), "started_at": host.now, "stop_requested": 0})
+
+
+def test_a_row_no_runner_took_up_is_closed_as_never_started_after_the_timeout(setup):
+    ws, host, store, sup = setup
+    proc_id = add_unstarted(store, host)  # the service died between inserting the row and spawning
+    sup.refresh()
+    assert store.proc(proc_id)["state"] == "running", "a runner may still take it up"
+    host.now += RUNNER_START_TIMEOUT_S + 0.1
+    sup.refresh()
+    row = store.proc(proc_id)
+    assert (row["state"], row["exit_code"]) == ("exited", None)
+    assert row["reason"].startswith("never started: no runner took it up")
+    assert claim_row(store, proc_id, runner_pid=77, runner_create_time=5.0) is None, "a late runner starts nothing"
+    assert not sup.is_running("train")
+
+
+def test_a_live_runner_keeps_its_row_open_and_a_dead_one_closes_it(setup):
+    ws, host, store, sup = setup
+    host.procs[77] = 995.0
+    proc_id = add_unstarted(store, host, runner_pid=77)
+    host.now += RUNNER_START_TIMEOUT_S + 5
+    sup.refresh()
+    assert store.proc(proc_id)["state"] == "running"
+    del host.procs[77]
+    sup.refresh()
+    row = store.proc(proc_id)
+    assert row["state"] == "exited" and "its runner (pid 77) died before starting it" in row["reason"]
+
+
+def test_a_runner_claims_only_an_open_row_without_a_stage(setup):
+    ws, host, store, sup = setup
+    proc_id = add_unstarted(store, host)
+    assert claim_row(store, proc_id, runner_pid=77, runner_create_time=5.0)["runner_pid"] == 77
+    store.update_proc(proc_id, pid=600)
+    assert claim_row(store, proc_id, runner_pid=78, runner_create_time=6.0) is None
