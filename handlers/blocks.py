@@ -14,6 +14,7 @@ from slack_sdk.models.blocks import (
 )
 
 from handlers.views import ago
+from pipeline.handoff import CANCELLABLE, TRAINING
 
 SECTION_LIMIT = 3000
 ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER = "eagle3_autostart_on", "eagle3_autostart_off", "eagle3_later"
@@ -108,10 +109,13 @@ def status_blocks(status: dict, *, version: str, now: float | None = None) -> tu
     blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(
         f"auto-start: {auto}" + (f" — {status.get('autostart_reason')}" if auto != "off" else "")))]))
     value = json.dumps({"v": version})
-    buttons = ([ButtonElement(text="Cancel auto-start", action_id=ACTION_CANCEL, value=value, style="danger")]
-               if auto not in ("off", "failed", "cancelled", "training-running") else
-               [ButtonElement(text="Auto-start training when extraction finishes", action_id=ACTION_AUTOSTART,
-                              value=value, style="primary")])
+    if auto in CANCELLABLE:
+        buttons = [ButtonElement(text="Cancel auto-start", action_id=ACTION_CANCEL, value=value, style="danger")]
+    elif auto == TRAINING:
+        buttons = []
+    else:
+        buttons = [ButtonElement(text="Auto-start training when extraction finishes", action_id=ACTION_AUTOSTART,
+                                 value=value, style="primary")]
     buttons.append(ButtonElement(text="Check back later", action_id=ACTION_LATER, value=value))
     blocks.append(ActionsBlock(elements=buttons))
     return f"{name}: {st.get('verdict') or st['state']} — {sentence}", [b.to_dict() for b in blocks]

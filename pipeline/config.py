@@ -149,6 +149,9 @@ class HandoffConfig(_Section):
     gpu_release_tolerance_mb: float = Field(default=1024.0, ge=0, description="Memory above the baseline that still counts as released.")
     settle_s: float = Field(default=5.0, ge=0, description="Without NVML: wait this long after the server's processes are gone.")
     verify_sample: int = Field(default=200, ge=1, description="Files `verify` opens before training may start.")
+    launch_attempts: int = Field(default=3, ge=1, description="Tries to start training before the handoff fails with the cause.")
+    launch_backoff_s: float = Field(default=10.0, ge=0, description="Wait after the first failed launch; doubles each time.")
+    autostart: bool = Field(default=False, description="Arm auto-start for every new run (default: each run starts off).")
 
 
 class StateConfig(_Section):

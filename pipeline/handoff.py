@@ -3,6 +3,9 @@
 The state lives in the store (kv `handoff`), so a restart of the service resumes at
 the recorded step. Training is launched exactly once: before launching, the highest
 train process id is recorded; a train process above it means the launch happened.
+A launch that cannot start (a missing `torchrun`, say) is retried a bounded number of
+times with backoff, then the handoff fails with the cause. A handoff belongs to its run:
+when a new run opens, the last run's handoff is history and auto-start reads `off`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,26 @@ ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING, TRAINING = (
     "armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
     "training-running")
 FAILED, CANCELLED = "failed", "cancelled"
-CANCELLABLE = frozenset({ARMED, WAITING, STOPPING, GPU_WAIT})
-ACTIVE = CANCELLABLE | {LAUNCHING}
+TRAINING_DONE, TRAINING_FAILED = "training-done", "training-failed"
+# Before a training process exists the handoff can be cancelled; LAUNCHING included: a
+# launch that completes after the cancel is stopped at once (see `_launching`).
+CANCELLABLE = frozenset({ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING})
+ACTIVE = CANCELLABLE
+FOLLOWED = ACTIVE | {TRAINING}  # steps the tick advances (TRAINING: until training ends)
+FINAL = frozenset({FAILED, CANCELLED, TRAINING_DONE, TRAINING_FAILED})
 KEY = "handoff"
+
+
+def handoff_state(store: Store) -> dict | None:
+    """The current run's handoff, or None (auto-start off). A handoff made for another run is
+    history once a newer run is open; with no run open, the last one still shows how it ended."""
+    state = store.get(KEY)
+    if not state:
+        return None
+    run = store.current_run()
+    if run is not None and state.get("run") not in (None, run):
+        return None
+    return state
 
 
 def _shape(reason: str) -> str:
@@ -49,14 +69,16 @@ class Handoff:
         self.port_check = port_check
 
     def state(self) -> dict | None:
-        """The persisted handoff, or None when never armed."""
-        return self.store.get(KEY)
+        """The current run's handoff, or None when not armed for it."""
+        return handoff_state(self.store)
 
     def _set(self, step: str, reason: str, **fields) -> dict:
-        state = {**(self.state() or {}), **fields, "step": step, "reason": reason, "step_at": self.clock()}
         with self.store.atomic():
+            old = self.state() or {}
+            run = old.get("run") or self.store.current_run()
+            state = {**old, **fields, "run": run, "step": step, "reason": reason, "step_at": self.clock()}
             self.store.put(KEY, state)
-            self.store.add_event(kind="handoff", run_id=self.store.current_run(), data={"step": step, "reason": reason})
+            self.store.add_event(kind="handoff", run_id=run, data={"step": step, "reason": reason})
         return state
 
     def _note(self, reason: str) -> None:
@@ -73,34 +95,43 @@ class Handoff:
     # --- verbs ------------------------------------------------------------------------------
     def arm(self, *, by: str) -> tuple[bool, dict]:
         """Create the handoff; a second arm is a no-op. Returns (created, state)."""
-        state = self.state()
-        if state and state["step"] in ACTIVE | {TRAINING}:
-            return False, state
-        return True, self._set(ARMED, f"armed by {by}", armed_by=by, armed_at=self.clock(), train_floor=None,
-                               gpu_wait_since=None, train_proc_id=None)
+        with self.store.atomic():
+            state = self.state()
+            if state and state["step"] in FOLLOWED:
+                return False, state
+            self.store.put(KEY, {"run": self.store.current_run()})  # a fresh handoff: nothing of the last one
+            return True, self._set(ARMED, f"armed by {by}", armed_by=by, armed_at=self.clock(), train_floor=None,
+                                   gpu_wait_since=None, train_proc_id=None)
 
     def cancel(self, *, by: str) -> tuple[bool, dict | None]:
-        """Cancel before launch. Returns (cancelled, state)."""
-        state = self.state()
-        if not state or state["step"] not in CANCELLABLE:
-            return False, state
-        return True, self._set(CANCELLED, f"cancelled by {by}")
+        """Cancel before a training process exists. Returns (cancelled, state)."""
+        with self.store.atomic():
+            state = self.state()
+            if not state or state["step"] not in CANCELLABLE:
+                return False, state
+            return True, self._set(CANCELLED, f"cancelled by {by}")
 
     # --- the tick -------------------------------------------------------------------------
     def tick(self) -> None:
         """Advance at most a few steps; never raises into the monitor."""
-        for _ in range(6):
+        self._arm_new_run()
+        for _ in range(7):
             state = self.state()
-            if not state or state["step"] not in ACTIVE:
+            if not state or state["step"] not in FOLLOWED:
                 return
             before = state["step"]
             try:
                 {ARMED: self._armed, WAITING: self._waiting, STOPPING: self._stopping, GPU_WAIT: self._gpu_wait,
-                 LAUNCHING: self._launching}[before](state)
+                 LAUNCHING: self._launching, TRAINING: self._training}[before](state)
             except UserError as exc:
                 self._set(FAILED, str(exc))
             if (self.state() or {}).get("step") == before:
                 return
+
+    def _arm_new_run(self) -> None:
+        """With `[handoff] autostart = true`, each new run starts armed."""
+        if self.ws.config.handoff.autostart and self.store.current_run() and self.state() is None:
+            self.arm(by="config ([handoff] autostart = true)")
 
     def _armed(self, state: dict) -> None:
         self._set(WAITING, "waiting for verified completion of extraction")
@@ -165,11 +196,44 @@ class Handoff:
         # Rows above the floor are this handoff's launches (the row `start` inserts is the
         # idempotency record). One with a pid was launched. One without a pid is still being
         # started, or was left by a service killed mid-start: refresh closes it as never started
-        # once no runner has taken it up for RUNNER_START_TIMEOUT_S, and it then does not count.
+        # once no runner has taken it up for RUNNER_START_TIMEOUT_S, and it then counts as a
+        # failed attempt. Attempts are bounded: a command that cannot start never will.
         self.sup.refresh()
-        if not any(p["pid"] is not None or p["state"] in MAYBE_ALIVE_STATES for p in rows()):
+        attempts = rows()
+        if not any(p["pid"] is not None or p["state"] in MAYBE_ALIVE_STATES for p in attempts):
+            cfg = self.ws.config.handoff
+            if len(attempts) >= cfg.launch_attempts:
+                reason = (f"training could not be started after {len(attempts)} attempt(s): "
+                          f"{attempts[-1]['reason']}; fix stages.train.argv, then `eagle3 autostart on`")
+                self.store.add_event(kind="handoff-alert", run_id=self.store.current_run(), data={"reason": reason})
+                return self._set(FAILED, reason)
+            if attempts:
+                due = (attempts[-1]["ended_at"] or 0) + cfg.launch_backoff_s * 2 ** (len(attempts) - 1)
+                if self.clock() < due:
+                    return self._note(f"launch attempt {len(attempts)} of {cfg.launch_attempts} failed "
+                                      f"({attempts[-1]['reason']}); retrying in {due - self.clock():.0f} s")
             self.sup.start("train")
         started = [p for p in rows() if p["pid"] is not None]
         if not started:
             return self._note("waiting for the training runner to report its pid")
+        if (self.state() or {}).get("step") != LAUNCHING:  # cancelled while the launch was under way
+            self.sup.stop("train", grace_s=30.0)
+            self.store.add_event(kind="handoff", run_id=self.store.current_run(), data={
+                "step": CANCELLED, "reason": f"training (pid {started[0]['pid']}) stopped: auto-start was "
+                                             "cancelled while it was being launched"})
+            return None
         self._set(TRAINING, f"training launched (pid {started[0]['pid']})", train_proc_id=started[0]["id"])
+        return None
+
+    def _training(self, state: dict) -> None:
+        """Follow training to its end: the handoff ends `training-done` or `training-failed`."""
+        self.sup.refresh()
+        proc = self.store.proc(state.get("train_proc_id") or 0)
+        if not proc or (proc["state"] in MAYBE_ALIVE_STATES and proc["ended_at"] is None):
+            return
+        if proc["stop_requested"]:
+            self._set(CANCELLED, f"training stopped on request ({proc['reason']})")
+        elif proc["state"] == "exited" and proc["exit_code"] == 0:
+            self._set(TRAINING_DONE, "training finished (exit 0)")
+        else:
+            self._set(TRAINING_FAILED, f"training ended: {proc['reason']}")

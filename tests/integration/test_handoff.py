@@ -82,13 +82,13 @@ def test_demo_workspace_hands_off_to_real_torchrun_exactly_once(tmp_path):
         finally:
             output = finish(svc)
         assert st["stages"]["train"]["exit_code"] == 0, output
-        assert st["stages"]["server"]["state"] == "stopped" and st["autostart"] == "training-running"
+        assert st["stages"]["server"]["state"] == "stopped" and st["autostart"] == "training-done"
         assert st["stages"]["extract"]["verdict"] == "done"
         assert len(train_rows(cfg)) == 1
         steps = [json.loads(line)["step"] for line in (cfg.parent / "ckpt" / "progress.jsonl").read_text().splitlines()]
         assert steps == list(range(1, 41))
         for step in ("waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
-                     "training-running"):
+                     "training-running", "training-done"):
             assert f"auto-start: *{step}*" in output
     finally:
         cleanup(cfg)
