@@ -16,7 +16,7 @@ from handlers.blocks import (
     ACTION_LATER,
     text_blocks,
 )
-from handlers.views import autostart_text
+from handlers.views import SLASH, autostart_text
 from pipeline.errors import UserError
 
 LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later",
@@ -111,7 +111,7 @@ def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
     v = _value(action)
     ctl = controller_factory()
     try:
-        result = stop_text(ctl.stop(str(v.get("stage"))))
+        result = stop_text(ctl.stop(str(v.get("stage")), by=f"slack:{user}"))
         if v.get("verb") == "restart":
             proc = ctl.start(v["stage"], by=f"slack:{user}")
             result += f"; started again (pid {proc['pid']})"
@@ -132,4 +132,4 @@ def _act(ctl, action_id: str, action: dict, user: str) -> str:
         r = ctl.remind("eta" if (ctl.store.get("verdict:extract") or {}).get("eta_s") else "1h", by=f"slack:{user}")
         return f"reminder at {time.strftime('%H:%M', time.localtime(r['due_at']))}"
     on = action_id == ACTION_AUTOSTART
-    return autostart_text(on, ctl.autostart(on, by=f"slack:{user}"))
+    return autostart_text(on, ctl.autostart(on, by=f"slack:{user}"), cmd=SLASH)

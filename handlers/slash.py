@@ -6,7 +6,14 @@ import threading
 
 from handlers.auth import MUTATING, redact, refusal
 from handlers.blocks import confirm_blocks, status_blocks, text_blocks
-from handlers.views import ago, autostart_text, train_guard_text, verdict_line
+from handlers.views import (
+    SLASH,
+    ago,
+    autostart_text,
+    server_holds_gpus_text,
+    train_guard_text,
+    verdict_line,
+)
 from pipeline.config import STAGE_NAMES
 from pipeline.errors import UserError
 
@@ -114,18 +121,19 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         body = redact("\n".join(lines), patterns=ctl.ws.config.slack.redact_patterns)[-2800:] or "(no output yet)"
         return f"last lines of {stage}", text_blocks(f"*{stage}* log:\n```{body}```")
     if verb == "train":
-        from pipeline.controller import TrainGuardError
+        from pipeline.controller import ServerHoldsGpusError, TrainGuardError
 
         try:
             proc = ctl.start("train", by=f"slack:{user}")
-        except TrainGuardError as exc:
-            text = train_guard_text(exc.completion)
+        except (TrainGuardError, ServerHoldsGpusError) as exc:
+            text = (train_guard_text(exc.completion, cmd=SLASH) if isinstance(exc, TrainGuardError)
+                    else server_holds_gpus_text(exc, cmd=SLASH))
             _, blocks = status_blocks(status, version=ctl.state_version())
             return text, text_blocks(text) + blocks[-1:]
         return f"training started (pid {proc['pid']})", text_blocks(f"training started (pid {proc['pid']})")
     if verb.startswith("autostart"):
         on = verb.endswith("on")
-        text = autostart_text(on, ctl.autostart(on, by=f"slack:{user}"))
+        text = autostart_text(on, ctl.autostart(on, by=f"slack:{user}"), cmd=SLASH)
         return text, text_blocks(text)
     if verb in ("stop", "restart"):
         stage = args[0] if args else ""

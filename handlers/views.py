@@ -48,10 +48,14 @@ def status_text(status: dict) -> str:
         lines.append(f"auto-start: {status['autostart']} — {status.get('autostart_reason')}")
     if status.get("monitor") == "not running":
         lines.append("monitor: not running (start `eagle3 serve`); running stages were sampled just now")
+    transport = status.get("transport")
+    if transport:
+        lines.append(transport_line(transport))
     box = status.get("outbox") or {}
     if box.get("pending") or box.get("failed"):
+        error = box.get("last_error")
         lines.append(f"slack: {box['pending']} message(s) waiting to be delivered, {box['failed']} refused by Slack"
-                     + (f" (last error: {box['last_error']})" if box.get("last_error") else ""))
+                     + (f" (last error: {error}; {slack_hint(error)})" if error else ""))
     for name, st in status["stages"].items():
         lines.append(stage_line(name, st))
         if st["state"] != "not-started" and st.get("verdict"):
@@ -60,10 +64,47 @@ def status_text(status: dict) -> str:
     return "\n".join(lines)
 
 
+_TRANSPORTS = {"socket-mode": "Slack Socket Mode", "http": "Slack HTTP events"}
+
+
+def transport_line(t: dict) -> str:
+    """How serve receives commands and buttons, and whether that works right now."""
+    name = _TRANSPORTS.get(t.get("kind"), t.get("kind"))
+    if t.get("state") in ("connected", "listening"):
+        return f"commands: {name} {t['state']} since {clock_time(t.get('since'))}"
+    text = f"commands: {name} {t.get('state')} since {clock_time(t.get('since'))}"
+    if t.get("error"):
+        text += f" (last error: {t['error']}; retrying in {t.get('retry_in_s', 0):.0f} s)"
+    return text + "; monitoring and auto-start go on meanwhile"
+
+
+_SLACK_HINTS = {
+    "not_in_channel": "invite the bot to the channel (`/invite @eagle3` there); the messages are sent once it is in",
+    "channel_not_found": "set [slack] channel to the channel's id (C…); for a private channel, invite the bot first",
+    "missing_scope": "add the scope Slack names to the app (OAuth & Permissions, as in deploy/slack-manifest.yaml), "
+                     "reinstall it and put the new token in the env file",
+    "is_archived": "unarchive the channel, or set [slack] channel to another one",
+    "invalid_auth": "SLACK_BOT_TOKEN is not valid: put the bot token (xoxb-…) in the env file, restart serve",
+    "not_authed": "SLACK_BOT_TOKEN is empty: put the bot token (xoxb-…) in the env file, restart serve",
+    "token_revoked": "the bot token was revoked: reinstall the app, put the new token in the env file, restart serve",
+    "account_inactive": "the bot's account is inactive: reinstall the app, put the new token in the env file",
+}
+
+
+def slack_hint(error: str) -> str:
+    """What to do about a delivery error (`eagle3 status`)."""
+    code = error.split(" ")[0]
+    if code in _SLACK_HINTS:
+        return _SLACK_HINTS[code]
+    if error.startswith("network:"):
+        return "Slack cannot be reached from this host: check its network, proxy and DNS; delivery retries by itself"
+    return "see the service's log (`journalctl -u eagle3`)"
+
+
 def stop_text(result) -> str:
     """One line per stopped stage, naming any survivors."""
     if not result.was_running:
-        return f"{result.stage}: not running"
+        return f"{result.stage}: not running" + (f"; {result.note}" if result.note and result.note != "not running" else "")
     how = "stopped (SIGKILL needed after the grace period)" if result.escalated else "stopped"
     if result.note:
         how += f"; {result.note}"
@@ -101,7 +142,10 @@ def replay_timeline_line(v) -> str:
     return f"{clock_time(v.t)}  {v.stage:<8} {v.verdict:<11}{pct}{eta}{reasons}"
 
 
-def train_guard_text(c) -> str:
+CLI, SLASH = "eagle3 ", "/eagle3 "  # how a refusal names a command: where the reader is
+
+
+def train_guard_text(c, *, cmd: str = CLI) -> str:
     """The train-now refusal, with the manifest's numbers (the incident's 'seems done' at 49 %)."""
     if c.total:
         done = (c.done or 0) + (c.failed or 0)
@@ -113,20 +157,36 @@ def train_guard_text(c) -> str:
     else:
         head = "extraction is 0 % done (no manifest totals yet)"
     return (f"refusing to start training: {head}. Not complete because: {'; '.join(c.missing)}. "
-            "Run `eagle3 autostart on` to start training by itself once extraction is verified complete, "
-            "or `eagle3 start train --force` to override (audited).")
+            f"Run `{cmd}autostart on` to start training by itself once extraction is verified complete, "
+            f"or {_force(cmd)} to override (audited).")
 
 
-def autostart_text(on: bool, result: dict) -> str:
+def _force(cmd: str) -> str:
+    return "`eagle3 start train --force` on the host" if cmd == SLASH else "`eagle3 start train --force`"
+
+
+def server_holds_gpus_text(exc, *, cmd: str = CLI) -> str:
+    """The refusal of training beside a running SGLang server (they would compete for GPU memory)."""
+    return (f"refusing to start training: {exc}, which training needs; both would compete for the GPUs' memory. "
+            f"Run `{cmd}autostart on` to hand off (stop the server, wait for the GPUs' release, then launch "
+            f"training), or `{cmd}stop server` first; {_force(cmd)} overrides (audited).")
+
+
+def autostart_refused(on: bool, result: dict) -> bool:
+    """True when `autostart off` could not do what was asked (training already runs): exit 2."""
+    return not on and not result["changed"] and (result["state"] or {}).get("step") == "training-running"
+
+
+def autostart_text(on: bool, result: dict, *, cmd: str = CLI) -> str:
     """What `eagle3 autostart on|off` says."""
     state = result["state"] or {}
     if on:
         text = (f"auto-start armed: {state.get('reason')}" if result["changed"]
-                else f"auto-start already armed (step: {state.get('step')}); nothing changed")
+                else f"auto-start already armed for this run (step: {state.get('step')}); nothing changed")
     elif result["changed"]:
         text = "auto-start cancelled"
-    elif state.get("step") in ("launching-training", "training-running"):
-        text = "auto-start can no longer be cancelled: training was launched; stop it with `eagle3 stop train`"
+    elif autostart_refused(on, result):
+        text = f"auto-start can no longer be cancelled: {state.get('reason')}; stop it with `{cmd}stop train`"
     else:
         text = "auto-start was not armed; nothing changed"
     if not result["monitor_running"] and on:

@@ -8,8 +8,9 @@ from pathlib import Path
 from pipeline import completion
 from pipeline.config import STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
+from pipeline.handoff import Handoff, handoff_state
 from pipeline.logfile import tail_lines
-from pipeline.states import StageState
+from pipeline.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.store import Store
 from pipeline.supervisor import StopResult, Supervisor
 
@@ -20,6 +21,15 @@ class TrainGuardError(UserError):
     def __init__(self, c: completion.Completion) -> None:
         super().__init__("; ".join(c.missing))
         self.completion = c
+
+
+class ServerHoldsGpusError(UserError):
+    """Training was asked for while the SGLang server holds GPUs that training needs."""
+
+    def __init__(self, *, pid: int | None, gpus: list[int]) -> None:
+        super().__init__(f"the SGLang server (pid {pid}) is running and holds GPU {', '.join(map(str, gpus)) or 'all'}")
+        self.pid = pid
+        self.gpus = gpus
 
 
 class Controller:
@@ -54,9 +64,26 @@ class Controller:
             if not c.complete:
                 self.store.audit(user=by, channel=None, action="start train --force", outcome="allowed",
                                  detail="; ".join(c.missing))
+            self._guard_server_gpus(force=force, by=by)
         if stage == "server":
             self._record_gpu_baseline()
         return self.supervisor.start(stage)
+
+    def _guard_server_gpus(self, *, force: bool, by: str) -> None:
+        """Training beside a server that holds its GPUs competes for their memory: refused
+        (the handoff is the way: stop the server, wait for the release, launch), or forced, audited."""
+        self.supervisor.refresh()
+        proc = self.store.latest_proc("server")
+        if not proc or StageState(proc["state"]) not in MAYBE_ALIVE_STATES:
+            return
+        server, train = set(self.ws.stage("server").gpus), set(self.ws.stage("train").gpus)
+        if server and train and not server & train:
+            return
+        err = ServerHoldsGpusError(pid=proc["pid"], gpus=sorted(server & train if server and train else server | train))
+        self.store.audit(user=by, channel=None, action="start train" + (" --force" if force else ""),
+                         outcome="allowed" if force else "refused", detail=str(err))
+        if not force:
+            raise err
 
     def _record_gpu_baseline(self) -> None:
         """GPU memory before the server loads: the handoff waits for the training GPUs to return to it."""
@@ -68,8 +95,6 @@ class Controller:
 
     def autostart(self, on: bool, *, by: str = "cli") -> dict:
         """Arm or cancel the handoff: {changed, state, monitor_running}."""
-        from pipeline.handoff import Handoff
-
         h = Handoff(ws=self.ws, store=self.store, supervisor=self.supervisor)
         changed, state = h.arm(by=by) if on else h.cancel(by=by)
         self.store.audit(user=by, channel=None, action=f"autostart {'on' if on else 'off'}",
@@ -102,14 +127,26 @@ class Controller:
             self.store.audit(user=by, channel=None, action=f"remind {spec}", outcome="done")
         return {**reminder, "monitor_running": self.monitor_running()}
 
-    def stop(self, stage: str, *, grace_s: float | None = None) -> StopResult:
-        """Stop one stage (SIGTERM, grace, SIGKILL)."""
+    def stop(self, stage: str, *, grace_s: float | None = None, by: str = "cli") -> StopResult:
+        """Stop one stage (SIGTERM, grace, SIGKILL). Stopping training also cancels an auto-start
+        that has not launched it yet: otherwise the handoff would launch it again."""
         self._check_stage(stage)
-        return self.supervisor.stop(stage, grace_s=self._grace(stage, grace_s))
+        cancelled = self._cancel_handoff(by=f"{by} (stop train)") if stage == "train" else False
+        result = self.supervisor.stop(stage, grace_s=self._grace(stage, grace_s))
+        if cancelled:
+            result.note = "; ".join(filter(None, [result.note, "auto-start cancelled"]))
+        return result
 
-    def stop_all(self, *, grace_s: float | None = None) -> list[StopResult]:
-        """Stop every stage and close the run."""
-        return self.supervisor.stop_all(grace_s=self._grace("server", grace_s))
+    def stop_all(self, *, grace_s: float | None = None, by: str = "cli") -> list[StopResult]:
+        """Stop every stage and close the run (its auto-start is cancelled first)."""
+        cancelled = self._cancel_handoff(by=f"{by} (stop --all)")
+        results = self.supervisor.stop_all(grace_s=self._grace("server", grace_s))
+        if cancelled:
+            results[0].note = "; ".join(filter(None, [results[0].note, "auto-start cancelled"]))
+        return results
+
+    def _cancel_handoff(self, *, by: str) -> bool:
+        return Handoff(ws=self.ws, store=self.store, supervisor=self.supervisor).cancel(by=by)[0]
 
     def _grace(self, stage: str, grace_s: float | None) -> float:
         if grace_s is not None:
@@ -142,11 +179,17 @@ class Controller:
             finally:
                 sampler.close()
         now = self.store.clock()
-        handoff = self.store.get("handoff")
+        handoff = handoff_state(self.store)
         return {"run": self.store.current_run(), "monitor": "running" if monitored else "not running",
                 "autostart": "off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
                 "autostart_reason": (handoff or {}).get("reason"), "outbox": self.store.outbox_summary(),
+                "transport": self._transport(monitored),
                 "stages": {stage: self._stage_status(stage, now) for stage in STAGE_NAMES}}
+
+    def _transport(self, monitored: bool) -> dict | None:
+        """How `serve` receives Slack's commands and buttons (Socket Mode, HTTP), while it runs."""
+        transport = self.store.get("transport")
+        return transport if transport and monitored and transport.get("state") != "stopped" else None
 
     def _unobserved_end(self, stage: str) -> bool:
         proc = self.store.latest_proc(stage)
@@ -173,6 +216,10 @@ class Controller:
         v = self.store.get(f"verdict:{stage}")
         if not v or v.get("proc_id") != proc["id"]:
             return {"verdict": "unknown", "progress_pct": None, "eta_s": None, "reasons": ["not observed yet"]}
+        if proc["state"] == StageState.STOPPED and v.get("verdict") != "stopped":
+            # The verdict was made while it ran; until the next tick observes the end, say what is known.
+            v = {**v, "verdict": "stopped", "stuck": False, "eta_s": None, "eta_low_s": None, "eta_high_s": None,
+                 "reasons": [f"stopped on request ({proc['reason']})" if proc["stop_requested"] else proc["reason"]]}
         keys = ("verdict", "stuck", "progress_pct", "eta_s", "eta_low_s", "eta_high_s", "reasons", "done", "failed",
                 "total", "rate_samples_per_s", "rate_tokens_per_s", "last_progress_at")
         fields = {k: v.get(k) for k in keys}
@@ -183,7 +230,7 @@ class Controller:
 
     def state_version(self) -> str:
         """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""
-        handoff = self.store.get("handoff") or {}
+        handoff = handoff_state(self.store) or {}
         return f"{self.store.current_run()}:{handoff.get('step', 'off')}"
 
     def logs(self, stage: str, *, lines: int = 50) -> tuple[Path, list[str]]:
