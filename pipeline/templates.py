@@ -1,9 +1,21 @@
 """The configuration `eagle3 init` writes: a commented production template."""
 
+import sys
+from pathlib import Path
+
+
+def production_template(bin_dir: str | None = None) -> str:
+    """The template with stage commands at absolute paths (`bin_dir`: this install's bin,
+    where `eagle3` and `torchrun` live): a service's PATH holds neither."""
+    return PRODUCTION_TEMPLATE.replace("{BIN}", bin_dir or str(Path(sys.executable).parent))
+
+
 PRODUCTION_TEMPLATE = """\
 # eagle3-ops configuration — an 8-GPU host: SGLang server, hidden-state extraction,
 # 4-GPU torchrun training. Replace every <PLACEHOLDER>; a stage whose settings still
-# hold one refuses to start and names the key. `eagle3 check-config` validates this file.
+# hold one refuses to start and names the key; `eagle3 serve` refuses while any is left.
+# `eagle3 check-config` validates this file. Stage commands are absolute paths: under
+# systemd the service's PATH holds neither the venv's `eagle3` nor its `torchrun`.
 # Relative paths are relative to this file. Secrets (SLACK_BOT_TOKEN, SLACK_APP_TOKEN,
 # SLACK_SIGNING_SECRET) come from the environment only, never from this file.
 
@@ -45,16 +57,19 @@ restart = "on-failure"
 max_restarts = 3
 
 [stages.extract]
-argv = ["eagle3", "extract", "--server", "http://127.0.0.1:30000",
+argv = ["{BIN}/eagle3", "extract", "--server", "http://127.0.0.1:30000",
         "--data", "<DATA_JSONL>", "--out", "<EXTRACT_OUT>", "--concurrency", "32"]
 data = "<DATA_JSONL>"
 out = "<EXTRACT_OUT>"
 restart = "on-failure"
 
 [stages.train]
-argv = ["torchrun", "--standalone", "--nproc-per-node", "4", "-m", "pipeline.train",
+# --token-budget: padded tokens per batch per GPU; 1024–2048 on 80–96 GB GPUs at H = 7,168
+# (README: memory table). Other flags: --lr 3e-3, --seed 0, --save-every 50, --eval-every 0
+# (at the end), --log-every 1, --resume, --skip-bad (docs/operator.md: trainer flags).
+argv = ["{BIN}/torchrun", "--standalone", "--nproc-per-node", "4", "-m", "pipeline.train",
         "--data", "<EXTRACT_OUT>", "--lm-head", "<MODEL_PATH>", "--out", "<CKPT_DIR>",
-        "--steps", "<STEPS>"]
+        "--steps", "<STEPS>", "--token-budget", "2048"]
 gpus = [0, 1, 2, 3]
 out = "<CKPT_DIR>"
 """

@@ -24,14 +24,41 @@ def test_example_config_is_valid_and_complete():
         assert flag in server
     assert ws.stage("server").gpus == list(range(8))
     assert ws.stage("train").gpus == [0, 1, 2, 3]
-    assert ws.stage("train").argv[:4] == ["torchrun", "--standalone", "--nproc-per-node", "4"]
+    assert ws.stage("train").argv[1:4] == ["--standalone", "--nproc-per-node", "4"]
+    assert "--token-budget" in ws.stage("train").argv
     assert ws.config.slack.channel and ws.config.slack.allowed_user_ids
 
 
-def test_example_config_passes_check_config():
+def test_example_stage_commands_are_the_units_install():
+    """Under systemd the PATH holds no venv: the example names the programs the unit's install has."""
+    ws = load_workspace(DEPLOY / "eagle3.example.toml")
+    bin_dir = Path(unit()["Service"]["ExecStart"].split()[0]).parent
+    assert Path(ws.stage("extract").argv[0]) == bin_dir / "eagle3"
+    assert Path(ws.stage("train").argv[0]) == bin_dir / "torchrun"
+
+
+def test_example_config_passes_check_config_where_its_paths_exist(tmp_path, capsys):
+    """Everything but the host's files is right: with /opt, /data and /models made under tmp, it is ok."""
     from bot.cli import main
 
-    assert main(["check-config", str(DEPLOY / "eagle3.example.toml")]) == 0
+    text = (DEPLOY / "eagle3.example.toml").read_text()
+    for top in ("/opt/", "/data/", "/models/"):
+        text = text.replace(f'"{top}', f'"{tmp_path}{top}')
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(text)
+    assert main(["check-config", str(cfg)]) == 2
+    missing = capsys.readouterr().err
+    assert "does not exist" in missing and "is not a Slack id" not in missing and "port" not in missing
+    ws = load_workspace(cfg)
+    for stage in ("server", "extract", "train"):
+        program = Path(ws.stage(stage).argv[0])
+        program.parent.mkdir(parents=True, exist_ok=True)
+        program.write_text("#!/bin/sh\n")
+        program.chmod(0o755)
+    data = Path(ws.config.stages.extract.data)
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("")
+    assert main(["check-config", str(cfg)]) == 0, capsys.readouterr().err
 
 
 def unit() -> configparser.ConfigParser:
@@ -41,11 +68,16 @@ def unit() -> configparser.ConfigParser:
     return parser
 
 
+def text_of_unit() -> str:
+    return (DEPLOY / "eagle3.service").read_text()
+
+
 def test_systemd_unit_runs_serve_and_never_kills_the_stages():
     u = unit()
     assert set(u.sections()) == {"Unit", "Service", "Install"}
     service = u["Service"]
     assert re.fullmatch(r"/\S+/eagle3 serve( --\S+ \S+)*", service["ExecStart"])
+    assert "--http --port 3000 --host" in text_of_unit(), "the unit shows HTTP mode too"
     assert service["Restart"] == "on-failure"
     assert service["KillMode"] == "process"
     assert service["EnvironmentFile"].startswith("/")
