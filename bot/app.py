@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import threading
+import time
 from urllib.parse import parse_qsl
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -21,6 +22,7 @@ from pipeline.controller import Controller
 
 log = logging.getLogger("eagle3.bot")
 DEFAULT_API_URL = "https://slack.com/api/"
+SIGNATURE_MAX_AGE_S = 300  # Slack's own rule, as slack_sdk's SignatureVerifier applies it
 
 
 def slack_client(token: str, api_url: str | None = None) -> WebClient:
@@ -30,8 +32,20 @@ def slack_client(token: str, api_url: str | None = None) -> WebClient:
     return client
 
 
+class _DropClientTokenWarning(logging.Filter):
+    """Bolt warns on every start that the token is unused when a client is given and
+    SLACK_BOT_TOKEN is set: both are ours and the same token, so the warning says nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "token` will be unused" not in record.getMessage()
+
+
+_DROP_TOKEN_WARNING = _DropClientTokenWarning()
+
+
 def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | None = None) -> App:
     """A Bolt app whose listeners call controller verbs."""
+    logging.getLogger("slack_bolt.App").addFilter(_DROP_TOKEN_WARNING)  # the same object: added once
     app = App(client=slack_client(token, api_url), signing_secret=signing_secret, token_verification_enabled=False,
               process_before_response=True)
 
@@ -83,12 +97,22 @@ class GuardedHandler:
         self.inner = SlackRequestHandler(app)
         self.verifier = SignatureVerifier(signing_secret)
 
-    def _signed(self, body: bytes, environ) -> bool:
+    def _unsigned(self, body: bytes, environ) -> str | None:
+        """Why the request is not validly signed, or None. A stale timestamp is told apart from
+        a wrong signature: clock skew must not look like a wrong signing secret in the log."""
         ts, sig = environ.get("HTTP_X_SLACK_REQUEST_TIMESTAMP", ""), environ.get("HTTP_X_SLACK_SIGNATURE", "")
+        if not (ts and sig):
+            return "missing signature headers"
         try:
-            return bool(ts and sig) and self.verifier.is_valid(body=body, timestamp=ts, signature=sig)
-        except ValueError:  # a timestamp that is not a number
-            return False
+            skew = abs(time.time() - int(ts))
+        except ValueError:
+            return "timestamp is not a number"
+        if skew > SIGNATURE_MAX_AGE_S:
+            return (f"timestamp {skew:.0f} s away from this host's clock (over {SIGNATURE_MAX_AGE_S} s): a replay, "
+                    "or this host's clock is wrong (check `timedatectl`)")
+        if not self.verifier.is_valid(body=body, timestamp=ts, signature=sig):
+            return "signature does not match: SLACK_SIGNING_SECRET differs from the app's Signing Secret"
+        return None
 
     def __call__(self, environ, start_response):
         try:
@@ -98,7 +122,9 @@ class GuardedHandler:
         body = environ["wsgi.input"].read(length) if length > 0 else b""
         environ["wsgi.input"] = io.BytesIO(body)
         if environ.get("REQUEST_METHOD") == "POST":
-            if not self._signed(body, environ):
+            why = self._unsigned(body, environ)
+            if why:
+                log.warning("slack request refused (401): %s", why)
                 start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8")])
                 return [b"invalid request signature"]
             why = _malformed(body)

@@ -35,7 +35,7 @@ def _controller(args):
 
 @command("init", "write a commented production config template, or --demo a runnable toy workspace")
 def cmd_init(args) -> int:
-    from pipeline.templates import PRODUCTION_TEMPLATE
+    from pipeline.templates import production_template
     target = Path(args.dir or ".") / DEFAULT_CONFIG_NAME
     if target.exists():
         raise UserError(f"{target}: already exists; not overwriting it (edit it, or init another directory)")
@@ -46,29 +46,38 @@ def cmd_init(args) -> int:
         print(f"wrote a toy workspace in {target.parent}: eagle3 --config {target} start server; start extract; "
               "autostart on; serve")
         return 0
-    target.write_text(PRODUCTION_TEMPLATE)
+    target.write_text(production_template())
     print(f"wrote {target}; fill in the <PLACEHOLDERS>, then `eagle3 check-config {target}`")
     return 0
 
 
-@command("check-config", "validate a config file without touching any state")
+@command("check-config", "validate a config file without touching any state (every problem, one line each)")
 def cmd_check_config(args) -> int:
     from pipeline.config import find_config
+    from pipeline.configcheck import problems
     path = Path(args.file) if args.file else find_config(args.config)
     ws = load_workspace(path)
+    found = problems(ws, path_env=args.service_path)
+    for line in found:
+        print(f"eagle3: {line}", file=sys.stderr)
+    if found:
+        print(f"eagle3: {path}: {len(found)} problem(s); fix them and run `eagle3 check-config` again", file=sys.stderr)
+        return 2
     print(f"{path}: ok (state in {ws.state_dir})")
     return 0
 
 
 @command("start", "start a stage under a detached runner (training only once extraction is verified complete)")
 def cmd_start(args) -> int:
-    from handlers.views import train_guard_text
-    from pipeline.controller import TrainGuardError
+    from handlers.views import server_holds_gpus_text, train_guard_text
+    from pipeline.controller import ServerHoldsGpusError, TrainGuardError
     ctl = _controller(args)
     try:
         proc = ctl.start(args.stage, force=args.force, by=_who())
     except TrainGuardError as exc:
         raise UserError(train_guard_text(exc.completion)) from None
+    except ServerHoldsGpusError as exc:
+        raise UserError(server_holds_gpus_text(exc)) from None
     finally:
         ctl.close()
     if proc["pid"] is None:
@@ -81,13 +90,16 @@ def cmd_start(args) -> int:
 
 @command("autostart", "on: train by itself once extraction is verified complete; off: cancel (until launch)")
 def cmd_autostart(args) -> int:
-    from handlers.views import autostart_text
+    from handlers.views import autostart_refused, autostart_text
+    on = args.state == "on"
     ctl = _controller(args)
     try:
-        result = ctl.autostart(args.state == "on", by=_who())
+        result = ctl.autostart(on, by=_who())
     finally:
         ctl.close()
-    print(autostart_text(args.state == "on", result))
+    if autostart_refused(on, result):
+        raise UserError(autostart_text(on, result))
+    print(autostart_text(on, result))
     return 0
 
 
@@ -115,7 +127,8 @@ def cmd_stop(args) -> int:
         raise UserError("stop: name a stage (server, extract, train) or pass --all")
     ctl = _controller(args)
     try:
-        results = ctl.stop_all(grace_s=args.grace) if args.all else [ctl.stop(args.stage, grace_s=args.grace)]
+        results = (ctl.stop_all(grace_s=args.grace, by=_who()) if args.all
+                   else [ctl.stop(args.stage, grace_s=args.grace, by=_who())])
     finally:
         ctl.close()
     for result in results:
@@ -277,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p["autostart"].add_argument("state", choices=("on", "off"))
     p["remind"].add_argument("when", help="30m, 1h, 90s … or eta")
     p["check-config"].add_argument("file", nargs="?", help="config to check (default: the usual lookup)")
+    p["check-config"].add_argument("--service-path", metavar="PATH", default=None,
+                                   help="PATH stage commands are looked up on (default: systemd's, "
+                                        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin)")
     p["start"].add_argument("stage", choices=STAGE_NAMES)
     p["stop"].add_argument("stage", nargs="?", choices=STAGE_NAMES)
     p["stop"].add_argument("--all", action="store_true", help="stop every stage and close the run")
@@ -334,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("eagle3: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `eagle3 status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
     except Exception as exc:  # noqa: BLE001 - the user gets one line, never a traceback
         if os.environ.get("EAGLE3_DEBUG"):
             traceback.print_exc()

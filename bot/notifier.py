@@ -23,6 +23,10 @@ from pipeline.store import Store
 log = logging.getLogger("eagle3.notifier")
 MILESTONES = (25, 50, 75, 100)
 RETRYABLE = {"internal_error", "fatal_error", "service_unavailable", "request_timeout", "ratelimited"}
+# Refusals a person can fix (invite the bot, add a scope, replace the token): the message waits
+# and is retried slowly, never dropped; `eagle3 status` says what to do (handlers.views.slack_hint).
+FIXABLE = {"not_in_channel", "channel_not_found", "missing_scope", "is_archived", "invalid_auth", "not_authed",
+           "token_revoked", "account_inactive", "no_permission"}
 
 
 class Notifier:
@@ -30,13 +34,14 @@ class Notifier:
 
     def __init__(self, *, ws: Workspace, client: WebClient, clock=time.time, cooldown_s: float = 1800.0,
                  pace_s: float = 1.0, escalate_s: float = 1800.0, channel: str | None = None,
-                 key_prefix: str = "") -> None:
+                 key_prefix: str = "", fixable_retry_s: float = 60.0) -> None:
         """`channel`/`key_prefix` let the console transport keep its own cursor, dedup and message ids."""
         self.ws, self.client, self.clock = ws, client, clock
         self.cooldown_s, self.pace_s, self.escalate_s = cooldown_s, pace_s, escalate_s
         channel = channel or ws.config.slack.channel
         self.channel = channel if channel and not PLACEHOLDER.search(channel) else None
         self.k = key_prefix
+        self.fixable_retry_s = fixable_retry_s
         self.started_at = clock()
         self.last_sent: dict[str, float] = {}
 
@@ -108,6 +113,11 @@ class Notifier:
                               thread_key=f"status:{run}")
         store.put(self.k + f"milestones:{run}", passed)
 
+    def needs_status(self, store: Store) -> bool:
+        """True when a run is open and its status message was never enqueued (a run just started)."""
+        run = store.current_run()
+        return bool(self.channel and run and not store.has_message(channel=self.channel, update_key=f"status:{run}"))
+
     def post_status(self, store: Store, status: dict, version: str) -> None:
         """Enqueue the run's status message; delivery updates it in place after the first post."""
         if not self.channel:
@@ -131,16 +141,19 @@ class Notifier:
                 code = exc.response.status_code
                 error = f"HTTP {code}" if code >= 500 or not isinstance(exc.response.data, dict) else (
                     exc.response.get("error") or f"HTTP {code}")
-                self._failed(store, m, error, retry=code >= 500 or error in RETRYABLE)
+                if error == "missing_scope" and exc.response.get("needed"):
+                    error += f" (needed: {exc.response.get('needed')})"
+                self._failed(store, m, error, retry=code >= 500 or error in RETRYABLE,
+                             fixable=error.split(" ")[0] in FIXABLE)
                 blocked.add(ch)
                 continue
             except OSError as exc:  # network: retry with backoff
-                self._failed(store, m, type(exc).__name__, retry=True)
+                self._failed(store, m, f"network: {type(exc).__name__}: {exc}", retry=True)
                 blocked.add(ch)
                 continue
             self.last_sent[ch] = self.clock()
             with store.atomic():
-                store.db["outbox"].update(m["id"], {"status": "sent", "sent_at": self.clock(), "ts": ts})
+                store.mark_sent(m["id"], ts=ts)
                 if m["update_key"] and store.get(self.k + f"ts:{m['update_key']}") is None:
                     store.put(self.k + f"ts:{m['update_key']}", ts)
 
@@ -154,10 +167,10 @@ class Notifier:
         r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks, thread_ts=thread)
         return r.get("ts")
 
-    def _failed(self, store: Store, m: dict, error: str, *, retry: bool) -> None:
+    def _failed(self, store: Store, m: dict, error: str, *, retry: bool, fixable: bool = False) -> None:
         attempts = m["attempts"] + 1
         log.warning("slack delivery of message %s failed (%s); %s", m["id"], error,
-                    "will retry" if retry else "giving up")
-        store.db["outbox"].update(m["id"], {
-            "attempts": attempts, "last_error": error, "status": "pending" if retry else "failed",
-            "next_try": self.clock() + min(300.0, 2.0 ** attempts)})
+                    "waiting for it to be fixed" if fixable else "will retry" if retry else "giving up")
+        delay = self.fixable_retry_s if fixable else min(300.0, 2.0 ** attempts)
+        store.mark_failed(m["id"], attempts=attempts, error=error, retry=retry or fixable,
+                          next_try=self.clock() + delay)

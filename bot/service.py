@@ -1,13 +1,25 @@
-"""`eagle3 serve`: the monitor tick plus the transports, in one process."""
+"""`eagle3 serve`: the monitor tick, Slack delivery and the transports, in one process.
+
+The monitor (observations, verdicts, the handoff) never waits for Slack: delivery runs
+in its own thread, and a transport that cannot connect retries with backoff in the
+background, saying so in `eagle3 status`, while monitoring and the handoff go on.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
+import time
 
 from pipeline.config import Workspace
 from pipeline.monitor import Monitor
+from pipeline.servelock import ServeLock
+
+log = logging.getLogger("eagle3.service")
+DELIVERY_INTERVAL_S = 1.0
+RECONNECT_MAX_S = 60.0
 
 
 def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None = None,
@@ -16,22 +28,35 @@ def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None 
     from pipeline.store import Store
 
     Store(ws.store_path).close()  # an unusable store stops us here, with its one line, before any thread starts
-    notifier = _notifier(ws)
-    if notifier:
-        transport = f"posting to {notifier.channel}"
-    elif os.environ.get("SLACK_BOT_TOKEN"):
-        transport = "console transport (SLACK_BOT_TOKEN is set but [slack] channel is not: posts stay here)"
-    else:
-        transport = "console transport (no Slack tokens)"
-    notifier = notifier or console_notifier(ws)
-    monitor = Monitor(ws=ws, on_tick=lambda store, _results: notifier.tick(store))
-    scheduler = _schedule_status_posts(ws, notifier)
-    server = None
-    socket_mode = None
+    _refuse_placeholders(ws)
+    with ServeLock(ws.state_dir / "serve.lock"):
+        return _serve(ws, max_ticks=max_ticks, http_port=http_port, host=host)
+
+
+def _refuse_placeholders(ws: Workspace) -> None:
+    """A template with <PLACEHOLDERS> left would fail hours later, at the first start: refuse now.
+    The other problems `check-config` finds are printed as warnings."""
+    from pipeline.configcheck import placeholders, problems
+    from pipeline.errors import ConfigError
+
+    left = placeholders(ws)
+    if left:
+        raise ConfigError(f"{left[0]} ({len(left)} placeholder(s) left; `eagle3 check-config` lists them); "
+                          "serve refuses a config that is not filled in")
+    for line in problems(ws, path_env=os.environ.get("PATH", "")):
+        print(f"eagle3 serve: warning: {line}", flush=True)
+
+
+def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host: str) -> int:
+    notifier, posting = _notifier(ws)
+    monitor = Monitor(ws=ws)
+    delivery = Delivery(ws=ws, notifier=notifier)
+    scheduler = _schedule_status_posts(ws, delivery)
+    inputs = Inputs(ws=ws)
     if http_port is not None:
-        server, transport = _start_http(ws, host, http_port)
+        inputs.start_http(host, http_port)
     elif os.environ.get("SLACK_APP_TOKEN"):
-        socket_mode, transport = _start_socket_mode(ws)
+        inputs.start_socket_mode()
 
     def stop(_signum, _frame):
         monitor.stop()
@@ -39,32 +64,179 @@ def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-    print(f"eagle3 serve: monitoring {ws.path} every {ws.config.monitor.tick_s:g} s; {transport}; "
-          "Ctrl-C to stop", flush=True)
+    print(f"eagle3 serve: monitoring {ws.path} every {ws.config.monitor.tick_s:g} s; {posting}; "
+          f"commands and buttons: {inputs.describe()}; Ctrl-C to stop", flush=True)
+    delivery.start()
     try:
         monitor.run(max_ticks=max_ticks)
     finally:
-        if server:
-            server.shutdown()
+        inputs.close()
         if scheduler:
             scheduler.shutdown(wait=False)
-        if socket_mode:
-            socket_mode.close()
+        delivery.close()
     print("eagle3 serve: stopped (stages keep running)", flush=True)
     return 0
 
 
-def _start_http(ws: Workspace, host: str, port: int):
-    from bot.app import build_app, serve_http
-    from pipeline.errors import UserError
+class Delivery:
+    """The notifier in its own thread and store connection: a Slack that is slow, rate-limiting
+    or down delays no observation, verdict or handoff step. Each pass also posts the run's
+    status message as soon as a run opens, so its steps and milestones thread under it."""
 
-    secret = os.environ.get("SLACK_SIGNING_SECRET")
-    if not secret:
-        raise UserError("serve --http: set SLACK_SIGNING_SECRET (from the Slack app's Basic Information page)")
-    app = build_app(ws=ws, token=os.environ.get("SLACK_BOT_TOKEN", ""), signing_secret=secret,
-                    api_url=os.environ.get("SLACK_API_URL"))
-    server = serve_http(app, signing_secret=secret, host=host, port=port)
-    return server, f"Slack HTTP events on http://{host}:{server.server_address[1]}/slack/events"
+    def __init__(self, *, ws: Workspace, notifier) -> None:
+        self.ws = ws
+        self.notifier = notifier
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()  # one pass at a time (the thread, the scheduler's post, the last flush)
+        self.thread = threading.Thread(target=self._loop, name="eagle3-delivery", daemon=True)
+
+    def start(self) -> None:
+        """Start delivering."""
+        self.thread.start()
+
+    def post_status(self) -> None:
+        """Enqueue (or refresh) the open run's status message."""
+        from pipeline.controller import Controller
+
+        with self.lock:
+            ctl = Controller(workspace=self.ws)
+            try:
+                status = ctl.status(sample_if_unmonitored=False)
+                if status["run"]:
+                    self.notifier.post_status(ctl.store, status, ctl.state_version())
+            finally:
+                ctl.close()
+
+    def one_pass(self) -> None:
+        """A new run's status post if it has none yet, then collect and deliver."""
+        from pipeline.store import Store
+
+        store = Store(self.ws.store_path)
+        try:
+            if self.notifier.needs_status(store):
+                self.post_status()
+            with self.lock:
+                self.notifier.tick(store)
+        finally:
+            store.close()
+
+    def _loop(self) -> None:
+        while not self.stopping.wait(DELIVERY_INTERVAL_S):
+            try:
+                self.one_pass()
+            except Exception:  # noqa: BLE001 - delivery retries next pass; the monitor is unaffected
+                log.exception("slack delivery pass failed; retrying")
+
+    def close(self) -> None:
+        """Stop the thread, then one last pass so that what the last tick made is delivered."""
+        self.stopping.set()
+        self.thread.join(timeout=30)
+        try:
+            self.one_pass()
+        except Exception:  # noqa: BLE001
+            log.exception("last slack delivery pass failed; the messages stay in the outbox")
+
+
+class Inputs:
+    """Where commands and buttons come from: Socket Mode, Slack's HTTP events, or nowhere.
+    Socket Mode connects in the background with backoff; its state is in the store for `status`."""
+
+    def __init__(self, *, ws: Workspace) -> None:
+        self.ws = ws
+        self.kind = "none"
+        self.host = "127.0.0.1"
+        self.server = None
+        self.handler = None
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def describe(self) -> str:
+        """The start line's account of what is served."""
+        if self.kind == "http":
+            return f"Slack HTTP events on http://{self.host}:{self.server.server_address[1]}/slack/events"
+        if self.kind == "socket-mode":
+            return "Slack Socket Mode (connecting in the background; `eagle3 status` shows its state)"
+        return ("not served (set SLACK_APP_TOKEN for Socket Mode, or run `eagle3 serve --http --port P` with "
+                "SLACK_SIGNING_SECRET for Slack's HTTP events)")
+
+    def start_http(self, host: str, port: int) -> None:
+        """Serve Slack's HTTP events (a listening socket: no connection to Slack needed to start)."""
+        from bot.app import build_app, serve_http
+        from pipeline.errors import UserError
+
+        secret = os.environ.get("SLACK_SIGNING_SECRET")
+        if not secret:
+            raise UserError("serve --http: set SLACK_SIGNING_SECRET (from the Slack app's Basic Information page)")
+        app = build_app(ws=self.ws, token=os.environ.get("SLACK_BOT_TOKEN", ""), signing_secret=secret,
+                        api_url=os.environ.get("SLACK_API_URL"))
+        self.server = serve_http(app, signing_secret=secret, host=host, port=port)
+        self.host = host
+        self.kind = "http"
+        self._record("listening", None)
+
+    def start_socket_mode(self) -> None:
+        """Socket Mode: no inbound port (SLACK_APP_TOKEN, xapp-…, with connections:write)."""
+        from slack_bolt.adapter.socket_mode import SocketModeHandler
+
+        from bot.app import build_app
+        from pipeline.errors import UserError
+
+        token = os.environ.get("SLACK_BOT_TOKEN")
+        if not token:
+            raise UserError("Socket Mode needs SLACK_BOT_TOKEN as well as SLACK_APP_TOKEN")
+        app = build_app(ws=self.ws, token=token,
+                        signing_secret=os.environ.get("SLACK_SIGNING_SECRET", "unused-in-socket-mode"),
+                        api_url=os.environ.get("SLACK_API_URL"))
+        self.handler = SocketModeHandler(app, os.environ["SLACK_APP_TOKEN"])
+        self.kind = "socket-mode"
+        self._record("connecting", None)
+        self.thread = threading.Thread(target=self._keep_connected, name="eagle3-socket-mode", daemon=True)
+        self.thread.start()
+
+    def _keep_connected(self) -> None:
+        delay, connected = 1.0, False
+        while not self.stopping.is_set():
+            try:
+                if not self.handler.client.is_connected():
+                    self._record("connecting" if not connected else "reconnecting", None)
+                    self.handler.connect()
+                    log.warning("slack: Socket Mode connected")
+                connected, delay = True, 1.0
+                self._record("connected", None)
+                wait = 5.0
+            except Exception as exc:  # noqa: BLE001 - unreachable Slack: retry; the monitor keeps running
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("slack: Socket Mode cannot connect (%s); retrying in %.0f s", error, delay)
+                self._record("retrying", error, retry_in_s=delay)
+                wait, delay = delay, min(RECONNECT_MAX_S, delay * 2)
+            self.stopping.wait(wait)
+
+    def _record(self, state: str, error: str | None, **extra) -> None:
+        from pipeline.store import Store
+
+        store = Store(self.ws.store_path)
+        try:
+            old = store.get("transport") or {}
+            since = old.get("since") if old.get("state") == state else time.time()
+            store.put("transport", {"kind": self.kind, "state": state, "error": error, "since": since,
+                                    "pid": os.getpid(), **extra})
+        finally:
+            store.close()
+
+    def close(self) -> None:
+        """Stop serving; say so in the store."""
+        self.stopping.set()
+        if self.server:
+            self.server.shutdown()
+        if self.handler:
+            try:
+                self.handler.close()
+            except Exception:  # noqa: BLE001 - closing a connection that never opened
+                pass
+        if self.thread:
+            self.thread.join(timeout=10)
+        if self.kind != "none":
+            self._record("stopped", None)
 
 
 def console_notifier(ws: Workspace, out=None):
@@ -77,53 +249,26 @@ def console_notifier(ws: Workspace, out=None):
 
 
 def _notifier(ws: Workspace):
-    """A Slack notifier when SLACK_BOT_TOKEN and a channel are set; else None (console only)."""
+    """(notifier, what it posts to): Slack when SLACK_BOT_TOKEN and a channel are set, else the console."""
     token = os.environ.get("SLACK_BOT_TOKEN")
-    if not token:
-        return None
-    from bot.app import slack_client
-    from bot.notifier import Notifier
+    if token:
+        from bot.app import slack_client
+        from bot.notifier import Notifier
 
-    client = slack_client(token, os.environ.get("SLACK_API_URL"))
-    notifier = Notifier(ws=ws, client=client)
-    return notifier if notifier.channel else None
+        notifier = Notifier(ws=ws, client=slack_client(token, os.environ.get("SLACK_API_URL")))
+        if notifier.channel:
+            return notifier, f"posting to {notifier.channel}"
+        return console_notifier(ws), "console transport (SLACK_BOT_TOKEN is set but [slack] channel is not: posts stay here)"
+    return console_notifier(ws), "console transport (no Slack tokens)"
 
 
-def _schedule_status_posts(ws: Workspace, notifier):
-    """APScheduler 3.x: one status post per run, updated in place every post_interval_min (and at start)."""
+def _schedule_status_posts(ws: Workspace, delivery: Delivery):
+    """APScheduler 3.x: the run's status post refreshed in place every post_interval_min (and at start)."""
     from apscheduler.schedulers.background import BackgroundScheduler
 
-    from pipeline.controller import Controller
-
-    def post() -> None:
-        ctl = Controller(workspace=ws)
-        try:
-            status = ctl.status(sample_if_unmonitored=False)
-            if status["run"]:
-                notifier.post_status(ctl.store, status, ctl.state_version())
-        finally:
-            ctl.close()
-
-    post()  # at start, before the first tick: the steps and milestones that follow are replies in its thread
+    delivery.post_status()  # at start, before the first tick: the steps and milestones that follow thread under it
     scheduler = BackgroundScheduler(job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 60})
-    scheduler.add_job(post, "interval", minutes=ws.config.slack.post_interval_min, id="status-post",
+    scheduler.add_job(delivery.post_status, "interval", minutes=ws.config.slack.post_interval_min, id="status-post",
                       replace_existing=True)
     scheduler.start()
     return scheduler
-
-
-def _start_socket_mode(ws: Workspace):
-    """Socket Mode: no inbound port (SLACK_APP_TOKEN, xapp-…, with connections:write)."""
-    from slack_bolt.adapter.socket_mode import SocketModeHandler
-
-    from bot.app import build_app
-    from pipeline.errors import UserError
-
-    token = os.environ.get("SLACK_BOT_TOKEN")
-    if not token:
-        raise UserError("Socket Mode needs SLACK_BOT_TOKEN as well as SLACK_APP_TOKEN")
-    app = build_app(ws=ws, token=token, signing_secret=os.environ.get("SLACK_SIGNING_SECRET", "unused-in-socket-mode"),
-                    api_url=os.environ.get("SLACK_API_URL"))
-    handler = SocketModeHandler(app, os.environ["SLACK_APP_TOKEN"])
-    handler.connect()
-    return handler, "Slack Socket Mode"

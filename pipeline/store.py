@@ -217,6 +217,20 @@ class Store:
         where, args = ("status = 'pending'", []) if channel is None else ("status = 'pending' AND channel = ?", [channel])
         return list(self.db["outbox"].rows_where(where, args, order_by="id"))
 
+    def has_message(self, *, channel: str, update_key: str) -> bool:
+        """True when a message with this update key was ever enqueued to `channel`."""
+        return self.db.execute("SELECT 1 FROM outbox WHERE channel = ? AND update_key = ? LIMIT 1",
+                               [channel, update_key]).fetchone() is not None
+
+    def mark_sent(self, message_id: int, *, ts: str | None) -> None:
+        """Slack accepted the message (its ts is what later updates and thread replies use)."""
+        self.db["outbox"].update(message_id, {"status": "sent", "sent_at": self.clock(), "ts": ts})
+
+    def mark_failed(self, message_id: int, *, attempts: int, error: str, retry: bool, next_try: float) -> None:
+        """A delivery attempt failed: pending again from `next_try`, or failed for good."""
+        self.db["outbox"].update(message_id, {"attempts": attempts, "last_error": error,
+                                              "status": "pending" if retry else "failed", "next_try": next_try})
+
     def outbox_summary(self) -> dict:
         """Counts of pending and failed outgoing messages, with the newest error (for `eagle3 status`)."""
         pending, failed = self.db.execute(

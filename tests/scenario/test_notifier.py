@@ -145,15 +145,60 @@ def test_429_waits_out_retry_after_and_delivers_once(env):
 def test_ok_false_permanent_error_is_kept_as_failed_and_does_not_block_the_channel(env, caplog):
     n, store, fake = env["notifier"](), env["store"], env["fake"]
     n.tick(store)
-    fake.script["chat.postMessage"] = [("error", "not_in_channel")]
+    fake.script["chat.postMessage"] = [("error", "invalid_blocks")]
     first = store.enqueue(channel="C1", kind="test", text="refused by Slack")
     store.enqueue(channel="C1", kind="test", text="next one")
     n.tick(store)
     n.tick(store)
     row = store.db["outbox"].get(first)
-    assert row["status"] == "failed" and row["last_error"] == "not_in_channel"
+    assert row["status"] == "failed" and row["last_error"] == "invalid_blocks"
     assert [c["text"] for c in fake.of("chat.postMessage")] == ["next one"]
-    assert "not_in_channel" in caplog.text and "xoxb-test" not in caplog.text
+    assert "invalid_blocks" in caplog.text and "xoxb-test" not in caplog.text
+
+
+@pytest.mark.parametrize("error", ["not_in_channel", "channel_not_found", "missing_scope"])
+def test_a_fixable_refusal_waits_and_is_delivered_once_fixed(env, error):
+    """Slack refuses until someone invites the bot (or adds the scope): nothing is dropped, order is kept,
+    retries are slow, and `eagle3 status` says what to do."""
+    from handlers.views import status_text
+    from pipeline.controller import Controller
+
+    n, store, fake = env["notifier"](fixable_retry_s=60.0), env["store"], env["fake"]
+    n.tick(store)
+    fake.script["chat.postMessage"] = [("error", error)] * 3
+    store.enqueue(channel="C1", kind="test", text="first")
+    store.enqueue(channel="C1", kind="test", text="second")
+    for _ in range(3):  # within a minute: one try only
+        n.tick(store)
+        env["clock"]["t"] += 15
+    assert len(fake.faults) == 1 and not fake.of("chat.postMessage")
+    text = status_text(Controller(workspace=env["ws"], store=store).status(sample_if_unmonitored=False))
+    assert f"slack: 2 message(s) waiting to be delivered, 0 refused by Slack (last error: {error}" in text
+    assert {"not_in_channel": "invite the bot", "channel_not_found": "set [slack] channel",
+            "missing_scope": "add the scope"}[error] in text
+    for _ in range(4):  # still refused twice more, a minute apart; then Slack accepts
+        env["clock"]["t"] += 61
+        n.tick(store)
+    assert len(fake.faults) == 3
+    env["clock"]["t"] += 61
+    n.tick(store)
+    n.tick(store)
+    assert [c["text"] for c in fake.of("chat.postMessage")] == ["first", "second"]
+    assert store.pending_messages() == [] and store.outbox_summary()["failed"] == 0
+
+
+def test_network_failure_is_named_with_its_cause(env):
+    from handlers.views import slack_hint
+
+    n, store = env["notifier"](), env["store"]
+    n.tick(store)
+    env["fake"].close()  # nothing listens there any more
+    store.enqueue(channel="C1", kind="test", text="while offline")
+    n.tick(store)
+    error = store.outbox_summary()["last_error"]
+    assert error.startswith("network: URLError:") and "Connection refused" in error
+    assert "cannot be reached from this host" in slack_hint(error)
+    env["fake"] = FakeSlack()  # the fixture closes one
 
 
 def test_ok_false_transient_error_is_retried_with_backoff(env):
@@ -206,7 +251,7 @@ def test_status_says_how_many_messages_wait_and_why(env):
 
     n, store, fake = env["notifier"](), env["store"], env["fake"]
     n.tick(store)
-    fake.script["chat.postMessage"] = [("error", "channel_not_found"), ("500", None)]
+    fake.script["chat.postMessage"] = [("error", "invalid_blocks"), ("500", None)]
     store.enqueue(channel="C1", kind="test", text="refused")
     store.enqueue(channel="C1", kind="test", text="waiting")
     store.enqueue(channel="console", kind="test", text="printed locally")
@@ -214,7 +259,7 @@ def test_status_says_how_many_messages_wait_and_why(env):
     n.tick(store)
     assert store.outbox_summary() == {"pending": 1, "failed": 1, "last_error": "HTTP 500"}
     text = status_text({"run": None, "outbox": store.outbox_summary(), "stages": {}})
-    assert "slack: 1 message(s) waiting to be delivered, 1 refused by Slack (last error: HTTP 500)" in text
+    assert "slack: 1 message(s) waiting to be delivered, 1 refused by Slack (last error: HTTP 500; " in text
 
 
 def test_alert_evidence_quoting_a_log_is_redacted(env, monkeypatch):
