@@ -57,9 +57,12 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
     except OSError as exc:
-        log.write(f"eagle3: cannot start {stage}: {exc}\n".encode())
-        transition(store, proc, StageState.EXITED, ended_at=host.clock(), exit_code=127,
-                   reason=f"cannot start: {exc.strerror or exc}")
+        program = json.loads(proc["argv"])[0] if proc["argv"] else "?"
+        why = f"cannot start {program!r}: {exc.strerror or exc}"
+        if "/" not in program:
+            why += " (not on PATH: give stages." + stage + ".argv[0] as an absolute path; `eagle3 check-config`)"
+        log.write(f"eagle3: {why}\n".encode())
+        transition(store, proc, StageState.EXITED, ended_at=host.clock(), exit_code=127, reason=why)
         return 1
 
     def forward(signum, _frame):
