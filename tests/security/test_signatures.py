@@ -73,3 +73,13 @@ def test_random_headers_are_401(app_env, ts, sig):
     code, _ = wsgi_post(app_env, BODY, {"X-Slack-Request-Timestamp": ts, "X-Slack-Signature": sig})
     assert code == 401
 
+
+
+def test_the_log_tells_a_skewed_clock_from_a_wrong_secret(app_env, caplog):
+    """Clock skew must not send the operator hunting for a wrong signing secret."""
+    with caplog.at_level("WARNING", logger="eagle3.bot"):
+        assert wsgi_post(app_env, BODY, CASES["stale (6 min old)"]())[0] == 401
+        assert wsgi_post(app_env, BODY, CASES["wrong secret"]())[0] == 401
+    stale, wrong = [r.getMessage() for r in caplog.records if "refused (401)" in r.getMessage()]
+    assert "this host's clock is wrong" in stale and "signing secret" not in stale.lower()
+    assert "SLACK_SIGNING_SECRET differs" in wrong

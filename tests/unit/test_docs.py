@@ -58,3 +58,57 @@ def test_every_verdict_says_what_to_do(verdict):
     for doc in (README, OPERATOR):
         row = next((line for line in doc.splitlines() if line.startswith(f"| `{verdict}` |")), None)
         assert row and len(row.split("|")) >= 5 and row.split("|")[3].strip(), f"no row for `{verdict}`"
+
+
+def _guide_commands() -> list[list[str]]:
+    """Every `eagle3 …` line in the guide's shell blocks, as argv (comments dropped)."""
+    import shlex
+
+    commands, fence = [], None  # fence: the open block's info string ("" for a shell block)
+    for line in OPERATOR.splitlines():
+        if line.startswith("```"):
+            fence = line[3:] if fence is None else None
+            continue
+        if fence == "" and line.startswith("eagle3 "):
+            commands.append(shlex.split(line.split(" #")[0])[1:])
+    return commands
+
+
+def test_the_guides_commands_parse():
+    commands = _guide_commands()
+    assert len(commands) >= 6 and ["check-config"] in commands
+    for argv in commands:
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as exc:
+            assert exc.code == 0, f"the guide shows `eagle3 {' '.join(argv)}`, which eagle3 refuses"
+
+
+@pytest.mark.timeout(90)
+def test_the_guides_journal_lines_are_what_serve_prints(tmp_path):
+    import os
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"```journal\n(.*?)```", OPERATOR, flags=re.S)
+    start_line, connected = blocks[0].strip().splitlines()
+    retry_line, = blocks[1].strip().splitlines()
+    subprocess.run([sys.executable, "-m", "bot.cli", "init", "--demo", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True)
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(cfg.read_text().replace("tick_s = 1", "tick_s = 10") + '\n[slack]\nchannel = "C0123456789"\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    env = {**{k: v for k, v in os.environ.items() if k != "EAGLE3_CONFIG"}, "SLACK_BOT_TOKEN": "xoxb-docs",
+           "SLACK_APP_TOKEN": "xapp-docs", "SLACK_API_URL": f"http://127.0.0.1:{closed}/api/"}
+    out = subprocess.run([sys.executable, "-m", "bot.cli", "serve", "--max-ticks", "1", "--config", str(cfg)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    printed = out.stdout.splitlines() + out.stderr.splitlines()
+    assert start_line.replace("/data/eagle3/eagle3.toml", str(cfg)) in printed, printed
+    assert connected == "slack: Socket Mode connected"  # what bot/service.py logs; needs a reachable Slack
+    head, tail = retry_line.split(" (", 1)[0], retry_line.rsplit(";", 1)[1]
+    assert any(line.startswith(head + " (URLError:") and line.endswith(tail) for line in printed), printed

@@ -1,0 +1,66 @@
+"""The handoff's rules that need no process: a handoff belongs to its run; training beside the server."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from pipeline import completion
+from pipeline.config import Workspace, parse_config
+from pipeline.controller import Controller, ServerHoldsGpusError
+from pipeline.handoff import Handoff, handoff_state
+from pipeline.store import Store
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def ctl(tmp_path):
+    text = "[stages.server]\nargv = [\"x\"]\ngpus = [0, 1, 2, 3]\n[stages.train]\nargv = [\"y\"]\ngpus = [2, 3]\n"
+    c = Controller(workspace=Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml"))
+    yield c
+    c.close()
+
+
+def test_a_new_run_starts_with_auto_start_off(ctl):
+    store = ctl.store
+    first = store.open_run()
+    assert ctl.autostart(True)["changed"]
+    assert handoff_state(store)["run"] == first
+    store.close_run(first, reason="all stages stopped")
+    assert handoff_state(store)["step"] == "armed", "with no run open, the last run's handoff still shows"
+    store.open_run()
+    assert handoff_state(store) is None and ctl.status(sample_if_unmonitored=False)["autostart"] == "off"
+    again = ctl.autostart(True)
+    assert again["changed"] and again["state"]["run"] == store.current_run()
+
+
+def test_autostart_configured_arms_each_new_run(tmp_path):
+    ws = Workspace(config=parse_config("[handoff]\nautostart = true\n", name="t.toml"), path=tmp_path / "t.toml")
+    store = Store(ws.store_path)
+    try:
+        h = Handoff(ws=ws, store=store, supervisor=None)
+        h.tick()
+        assert handoff_state(store) is None, "no run: nothing to arm"
+        store.open_run()
+        h._arm_new_run()
+        assert handoff_state(store)["step"] == "armed" and "config" in handoff_state(store)["reason"]
+    finally:
+        store.close()
+
+
+def test_training_beside_a_server_holding_its_gpus_is_refused(ctl, monkeypatch):
+    monkeypatch.setattr(completion, "check", lambda *a, **k: completion.Completion(complete=True, done=1, failed=0,
+                                                                                   total=1))
+    monkeypatch.setattr(ctl.supervisor, "start", lambda stage: {"pid": 1, "stage": stage})
+    store = ctl.store
+    store.insert_proc({"run_id": store.open_run(), "stage": "server", "state": "running", "pid": os.getpid(),
+                       "pgid": os.getpid(), "create_time": psutil.Process().create_time(), "argv": "[]",
+                       "started_at": 0, "stop_requested": 0})
+    with pytest.raises(ServerHoldsGpusError, match=rf"server \(pid {os.getpid()}\) is running and holds GPU 2, 3"):
+        ctl.start("train")
+    assert ctl.start("train", force=True)["pid"] == 1
+    audit = [(a["action"], a["outcome"]) for a in store.db["audit"].rows]
+    assert audit == [("start train", "refused"), ("start train --force", "allowed")]
