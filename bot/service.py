@@ -19,6 +19,7 @@ from pipeline.servelock import ServeLock
 
 log = logging.getLogger("eagle3.service")
 DELIVERY_INTERVAL_S = 1.0
+DRAIN_S = 5.0  # at shutdown: how long to keep delivering what is due
 RECONNECT_MAX_S = 60.0
 
 
@@ -128,13 +129,27 @@ class Delivery:
                 log.exception("slack delivery pass failed; retrying")
 
     def close(self) -> None:
-        """Stop the thread, then one last pass so that what the last tick made is delivered."""
+        """Stop the thread, then drain: what the last ticks made is delivered (paced, for up to
+        DRAIN_S) unless Slack is failing; whatever is left stays in the outbox for the next start."""
+        from pipeline.store import Store
+
         self.stopping.set()
         self.thread.join(timeout=30)
-        try:
-            self.one_pass()
-        except Exception:  # noqa: BLE001
-            log.exception("last slack delivery pass failed; the messages stay in the outbox")
+        deadline = time.monotonic() + DRAIN_S
+        while True:
+            try:
+                self.one_pass()
+            except Exception:  # noqa: BLE001
+                log.exception("last slack delivery pass failed; the messages stay in the outbox")
+                return
+            store = Store(self.ws.store_path)
+            try:
+                due = [m for m in store.pending_messages(channel=self.notifier.channel) if m["next_try"] <= time.time()]
+            finally:
+                store.close()
+            if not due or time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
 
 
 class Inputs:

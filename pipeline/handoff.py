@@ -19,7 +19,7 @@ from pipeline.config import Workspace
 from pipeline.errors import UserError
 from pipeline.states import MAYBE_ALIVE_STATES
 from pipeline.store import Store
-from pipeline.supervisor import Supervisor
+from pipeline.supervisor import NO_RUNNER, Supervisor
 
 ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING, TRAINING = (
     "armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
@@ -199,8 +199,9 @@ class Handoff:
         # once no runner has taken it up for RUNNER_START_TIMEOUT_S, and it then counts as a
         # failed attempt. Attempts are bounded: a command that cannot start never will.
         self.sup.refresh()
-        attempts = rows()
-        if not any(p["pid"] is not None or p["state"] in MAYBE_ALIVE_STATES for p in attempts):
+        if not any(p["pid"] is not None or p["state"] in MAYBE_ALIVE_STATES for p in rows()):
+            # A row no runner took up was left by a service that died mid-start: not the command's failure.
+            attempts = [p for p in rows() if NO_RUNNER not in (p["reason"] or "")]
             cfg = self.ws.config.handoff
             if len(attempts) >= cfg.launch_attempts:
                 reason = (f"training could not be started after {len(attempts)} attempt(s): "

@@ -20,6 +20,7 @@ from pipeline.store import Store
 RUNNER_START_TIMEOUT_S = 10.0  # a row no live runner has started by then never will
 RUNNER_AWAIT_MAX_S = 60.0  # how long `start` waits for a live runner's pid
 KILL_WAIT_S = 5.0
+NO_RUNNER = "no runner took it up"  # a row whose service died before spawning its runner (not the command's fault)
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Supervisor:
                     or self.host.clock() - (row["started_at"] or 0) < RUNNER_START_TIMEOUT_S):
                 return False
             why = (f"its runner (pid {row['runner_pid']}) died before starting it" if row["runner_pid"]
-                   else f"no runner took it up within {RUNNER_START_TIMEOUT_S:.0f} s (the service that started it "
+                   else f"{NO_RUNNER} within {RUNNER_START_TIMEOUT_S:.0f} s (the service that started it "
                         "may have died)")
             transition(self.store, row, StageState.EXITED, ended_at=self.host.clock(), reason=f"never started: {why}")
         proc.update(row)

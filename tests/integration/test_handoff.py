@@ -77,8 +77,8 @@ def test_demo_workspace_hands_off_to_real_torchrun_exactly_once(tmp_path):
             assert eagle3(*args, "--config", str(cfg)).returncode == 0
         svc = serve(cfg)
         try:
-            st = wait_for(lambda: (s := status(cfg))["stages"]["train"]["state"] == "exited" and s, timeout=200,
-                          interval=1.0, what="training to finish")
+            st = wait_for(lambda: (s := status(cfg))["autostart"] in ("training-done", "training-failed") and s,
+                          timeout=200, interval=1.0, what="training to finish and the handoff to follow it")
         finally:
             output = finish(svc)
         assert st["stages"]["train"]["exit_code"] == 0, output

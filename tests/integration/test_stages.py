@@ -208,14 +208,15 @@ def test_bad_config_exits_2_with_one_line(tmp_path, text, message):
     assert not (tmp_path / ".eagle3").exists(), "a failed command must leave no state behind"
 
 
-def test_init_never_overwrites_and_template_works_unedited(tmp_path):
+def test_init_never_overwrites_and_status_works_on_the_unedited_template(tmp_path):
     assert eagle3("init", str(tmp_path)).returncode == 0
     cfg = tmp_path / "eagle3.toml"
     before = cfg.read_text()
     again = eagle3("init", str(tmp_path))
     assert again.returncode == 2 and "already exists" in again.stderr
     assert cfg.read_text() == before
-    assert eagle3("check-config", str(cfg)).returncode == 0
+    checked = eagle3("check-config", str(cfg))
+    assert checked.returncode == 2 and "still holds the placeholder <MODEL_PATH>" in checked.stderr
     assert eagle3("status", "--config", str(cfg)).returncode == 0
     refused = eagle3("start", "server", "--config", str(cfg))
     assert refused.returncode == 2
