@@ -135,7 +135,8 @@ class MonitorConfig(_Section):
     """The sampler and stall detector."""
 
     tick_s: float = Field(default=10.0, gt=0, description="Seconds between observations.")
-    stall_floor_s: float = Field(default=120.0, gt=0, description="Shortest no-progress time that can count as a stall.")
+    stall_floor_s: float = Field(default=60.0, gt=0, description="Shortest no-progress time that can count as a stall "
+                                 "(the deadline is the larger of this and 3× the stage's own longest usual gap).")
     probe_budget_s: float = Field(default=5.0, gt=0, description="Time a tick's probes may take; slower readings are unknown.")
     fake_gpus: int = Field(default=0, ge=0, description="Use this many scripted fake GPUs instead of NVML (tests, demo).")
 

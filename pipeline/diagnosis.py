@@ -8,7 +8,10 @@ linear time); `diagnose(history)` is the same fold over a list. Evidence rules:
   idle between requests while extraction was healthy;
 - a stall needs no progress past a deadline learned from the stage's own gaps
   AND no sign of work (bytes written, CPU, GPUs busy at power, a server request
-  in flight) — a giant prompt or a checkpoint save shows such signs.
+  in flight) — a giant prompt or a checkpoint save shows such signs;
+- requests "running" on a healthy server are work only while something else shows
+  it: a wedged SGLang (a stuck collective, a wedged scheduler) keeps answering
+  /health with its requests "running" while nothing completes and the GPUs idle.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from pipeline.verdict import (
     gpu_pinned_low_power,
     num,
 )
+
+
+IDLE_UTIL = 5.0  # percent: below this a GPU does no work worth counting
 
 
 @dataclass
@@ -86,7 +92,10 @@ class Diagnoser:
                 self.last_progress_at = t
             return
         if processed > self.last_processed:
-            since = self.last_progress_at if self.last_progress_at is not None else self.first_t
+            # The wait before the first progress is start-up (a server loading its weights for
+            # minutes), not a gap between progress: learning it would stretch the stall deadline
+            # to three times the start-up, and counting it as work would inflate the ETA.
+            since = self.last_progress_at
             dn = processed - self.last_processed
             dk = tokens - self.last_tokens if tokens is not None and self.last_tokens is not None else None
             if since is not None and t > since:
@@ -121,7 +130,9 @@ class Diagnoser:
     def _activity(self, obs: dict, t: float) -> list[str]:
         """Signs that the stage is working although no progress was counted."""
         signs = []
-        win = self._window(self.policy.activity_window_s, t)
+        # Work since the last progress only: bytes written just before a hang are not work after it.
+        since = self.last_progress_at if self.last_progress_at is not None else self.first_t
+        win = self._window(min(self.policy.activity_window_s, max(t - since, 0.0)), t)
         if win:
             a, b = win
             if a.written is not None and b.written is not None and b.written > a.written:
@@ -133,10 +144,22 @@ class Diagnoser:
         busy = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_busy_at_power(g)]
         if busy:
             signs.append(f"GPUs {gpu_indices(busy)} busy at {max(num(g, 'power_w') or 0 for g in busy):.0f} W")
-        server = obs.get("server") or {}
-        if server.get("healthy") is True and (num(server, "running_reqs") or 0) > 0:
-            signs.append(f"server healthy with {int(num(server, 'running_reqs'))} request(s) running")
+        running = self._running_requests(obs)
+        if running and (signs or not self._gpus_idle(obs)):
+            signs.append(f"server healthy with {running} request(s) running")
         return signs
+
+    @staticmethod
+    def _running_requests(obs: dict) -> int:
+        server = obs.get("server") or {}
+        return int(num(server, "running_reqs") or 0) if server.get("healthy") is True else 0
+
+    @staticmethod
+    def _gpus_idle(obs: dict) -> bool:
+        """Every GPU read, and none doing work: only then is 'running' known to be idle."""
+        gpus = [g for g in obs.get("gpus") or [] if isinstance(g, dict)]
+        return bool(gpus) and all(num(g, "util") is not None and num(g, "util") < IDLE_UTIL
+                                  and not gpu_busy_at_power(g) for g in gpus)
 
     def _stall_evidence(self, obs: dict, t: float) -> list[str]:
         ev = []
@@ -155,6 +178,10 @@ class Diagnoser:
             ev.append(f"GPUs {gpu_indices(hung)} pinned at 100 % at low power: a collective hang?")
         if (obs.get("process") or {}).get("zombie"):
             ev.append("the process is a zombie")
+        running = self._running_requests(obs)
+        if running and self._gpus_idle(obs) and a and b:
+            ev.append(f"{running} request(s) 'running' on a healthy server but none completed for {fmt_s(b.t - a.t)} "
+                      "and the GPUs idle: a wedged server (a stuck collective or scheduler)?")
         return ev
 
     # --- the fold ------------------------------------------------------------

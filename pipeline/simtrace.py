@@ -23,7 +23,10 @@ class Scenario:
     name: str
     samples: int = 3000
     seed: int = 0
-    sort_by_length: bool = False
+    sort_by_length: bool = False  # the same as order = "ascending"
+    order: str = "shuffled"  # or "ascending", "descending", "bucketed" (ascending buckets, shuffled inside)
+    buckets: int = 8
+    with_sq: bool = True  # the observation carries tokens_sq_done / tokens_sq_total (extraction records them)
     overhead_s: float = 0.3  # per request
     per_token_s: float = 2.8e-4
     # Attention makes long prompts cost more than linearly; the ETA model is linear,
@@ -39,7 +42,10 @@ class Scenario:
     slow_from_s: float | None = None
     slow_factor: float = 5.0
     stall_at_s: float | None = None
-    stall_kind: str = "server-hang"  # or "client-deadlock"
+    # "server-hang": the server stops answering health checks; "server-wedged": health passes and the
+    # requests stay "running" but none completes, GPUs idle (a stuck collective, a wedged scheduler);
+    # "client-deadlock": the client stops sending.
+    stall_kind: str = "server-hang"
     crash_at_s: float | None = None
     exit0_at_fraction: float | None = None
     fail_share: float = 0.0
@@ -59,7 +65,18 @@ class Trace:
 
 def _lengths(sc: Scenario, rng: random.Random) -> list[int]:
     lengths = [max(16, int(rng.lognormvariate(math.log(1800), 0.7))) for _ in range(sc.samples)]
-    return sorted(lengths) if sc.sort_by_length else lengths
+    order = "ascending" if sc.sort_by_length else sc.order
+    if order in ("ascending", "descending"):
+        return sorted(lengths, reverse=order == "descending")
+    if order == "bucketed":
+        ranked, size = sorted(lengths), -(-len(lengths) // sc.buckets)
+        out = []
+        for i in range(0, len(ranked), size):
+            bucket = ranked[i:i + size]
+            rng.shuffle(bucket)
+            out += bucket
+        return out
+    return lengths
 
 
 def _durations(sc: Scenario, lengths: list[int], rng: random.Random) -> list[tuple[float, bool]]:
@@ -94,8 +111,8 @@ def simulate(sc: Scenario) -> Trace:
     horizon = (stop_t if math.isfinite(stop_t) else ends[-1]) + sc.end_extra_ticks * sc.tick_s
     if fault is not None:
         horizon = fault + 3600.0
-    obs, i_done, cpu, written, tok_done = [], 0, 0.0, 0.0, 0
-    tokens_total = sum(lengths)
+    obs, i_done, cpu, written, tok_done, sq_done = [], 0, 0.0, 0.0, 0, 0
+    tokens_total, sq_total = sum(lengths), sum(n * n for n in lengths)
     t0 = 1_790_000_000.0
     for k in itertools.count(1):
         t = k * sc.tick_s
@@ -104,6 +121,7 @@ def simulate(sc: Scenario) -> Trace:
         prev = i_done
         while i_done < sc.samples and ends[i_done] <= t:
             tok_done += lengths[i_done]
+            sq_done += lengths[i_done] ** 2
             i_done += 1
         requesting = i_done < sc.samples and ends[i_done] != math.inf
         # A giant prompt, or any request over 30 s, keeps the GPUs busy while it runs.
@@ -122,16 +140,19 @@ def simulate(sc: Scenario) -> Trace:
              "process": {"alive": not (crashed or exited0 or finished), "cpu_s": round(cpu, 2),
                          "exit_code": -9 if crashed else (0 if (exited0 or finished) else None)},
              "progress": {"done": i_done - failed, "failed": failed, "total": sc.samples,
-                          "tokens_done": tok_done, "tokens_total": tokens_total, "unit": "samples"},
+                          "tokens_done": tok_done, "tokens_total": tokens_total, "unit": "samples",
+                          "tokens_sq_done": sq_done if sc.with_sq else None,
+                          "tokens_sq_total": sq_total if sc.with_sq else None},
              "files": {"count": i_done - failed, "bytes": written}}
         if sc.stage == "extract":
             hang = stalled and sc.stall_kind == "server-hang"
+            wedged = stalled and sc.stall_kind == "server-wedged"
             busy = in_flight and not stalled
             util, power = (100.0, 95.0) if hang else ((100.0, 610.0) if busy else (0.0, 90.0))
             o["gpus"] = [{"index": g, "util": util, "mem_used_mb": 75000, "power_w": power, "power_limit_w": 700.0}
                          for g in range(8)]
             o["server"] = {"healthy": not (hang and t >= fault + 20),
-                           "running_reqs": 1 if ((requesting and not stalled) or hang) else 0,
+                           "running_reqs": 32 if wedged else (1 if ((requesting and not stalled) or hang) else 0),
                            "queue_reqs": 0, "requests_total": int(i_done * 1.2 + k)}
         obs.append(o)
         if o["process"]["alive"] is False:
@@ -150,6 +171,7 @@ def standard_scenarios(samples: int = 3000) -> list[Scenario]:
         Scenario("slow-disk", samples=samples, slow_from_s=1500, seed=4),
         Scenario("server-hang", samples=samples, stall_at_s=1200, seed=5),
         Scenario("client-deadlock", samples=samples, stall_at_s=1200, stall_kind="client-deadlock", seed=6),
+        Scenario("server-wedged", samples=samples, stall_at_s=1200, stall_kind="server-wedged", seed=9),
         Scenario("client-crash", samples=samples, crash_at_s=1200, seed=7),
         Scenario("exit0-early", samples=samples, exit0_at_fraction=0.9, seed=8),
     ]

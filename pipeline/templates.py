@@ -26,7 +26,7 @@ log_keep = 3
 
 [monitor]
 tick_s = 10                  # seconds between observations
-stall_floor_s = 120          # shortest silence that may count as a stall
+stall_floor_s = 60           # shortest silence that may count as a stall
 
 [handoff]
 max_failed_share = 0.001     # 0.1 % failed samples still counts as complete

@@ -12,7 +12,7 @@ STUCK_VERDICTS = frozenset({"stalled", "dead"})
 class Policy:
     """Thresholds; the defaults are the documented behaviour."""
 
-    stall_floor_s: float = 120.0  # never call a stall sooner than this
+    stall_floor_s: float = 60.0  # never call a stall sooner than this
     gap_multiplier: float = 3.0  # deadline = max(floor, multiplier × p99 of the stage's own gaps)
     ceiling_s: float = 1800.0  # signs of work hold a stall off at most this long
     startup_window_s: float = 600.0  # time allowed before the first progress
