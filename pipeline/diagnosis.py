@@ -31,7 +31,6 @@ from pipeline.verdict import (
     num,
 )
 
-
 IDLE_UTIL = 5.0  # percent: below this a GPU does no work worth counting
 
 
