@@ -10,6 +10,7 @@ from handlers.views import (
     SLASH,
     ago,
     autostart_text,
+    eta_line,
     server_holds_gpus_text,
     train_guard_text,
     verdict_line,
@@ -104,8 +105,9 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
     if verb == "status":
         return status_blocks(status, version=ctl.state_version())
     if verb in ("stuck", "eta"):
-        lines = [f"*{n}*: {st['state']}\n{verdict_line(n, st).strip()}" for n, st in status["stages"].items()
-                 if st["state"] != "not-started"]
+        started = {n: st for n, st in status["stages"].items() if st["state"] != "not-started"}
+        lines = ([eta_line(n, st) for n, st in started.items()] if verb == "eta" else
+                 [f"*{n}*: {st['state']}\n{verdict_line(n, st).strip()}" for n, st in started.items()])
         text = "\n".join(lines) or "Nothing has been started."
         return text, text_blocks(text)
     if verb == "gpus":

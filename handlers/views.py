@@ -134,6 +134,23 @@ def verdict_line(stage: str, st: dict) -> str:
     return line + ("\n" + "\n".join(f"{'':<10} - {r}" for r in reasons) if reasons else "")
 
 
+def eta_line(stage: str, st: dict, *, now: float | None = None) -> str:
+    """`/eagle3 eta`: progress, the ETA with its band and the wall-clock finish, or why there is none."""
+    head = f"*{stage}*: {st.get('verdict') or st['state']}"
+    if st.get("progress_pct") is not None:
+        done, total = st.get("done"), st.get("total")
+        count = f" ({done + (st.get('failed') or 0):,} / {total:,})" if done is not None and total else ""
+        head += f", {st['progress_pct']:.1f} %{count}"
+    if st.get("eta_s") is not None:
+        finish = (now or time.time()) + st["eta_s"]
+        return (f"{head}, ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))}), "
+                f"finishing around {clock_time(finish)}")
+    if st.get("verdict") in ("done", "stopped", "dead"):
+        return head
+    why = "; ".join(st.get("reasons") or []) or "not enough progress observed yet"
+    return f"{head}, no ETA yet ({why})"
+
+
 def replay_timeline_line(v) -> str:
     """One verdict change in the readable replay timeline."""
     pct = f" {v.progress_pct:.1f} %" if v.progress_pct is not None else ""

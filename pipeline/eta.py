@@ -87,10 +87,16 @@ class Eta:
 
 
 class EtaEstimator:
-    """Two cost models (recent and long memory); their spread and the noise make the band."""
+    """Two cost models (recent and long memory); their spread and the noise make the band.
 
+    From the third interval on there is an ETA; until MIN_INTERVALS its band is wide (the
+    noise term shrinks with 1/√n) and may span up to EARLY_BAND_RATIO. After that a band
+    wider than MAX_BAND_RATIO means the models disagree too much to be useful: withheld."""
+
+    EARLY_INTERVALS = 3
     MIN_INTERVALS = 20
     MAX_BAND_RATIO = 3.0
+    EARLY_BAND_RATIO = 10.0
 
     def __init__(self, *, short_half_life_s: float = 1200.0, long_half_life_s: float = 7200.0) -> None:
         self.short = CostModel(half_life_s=short_half_life_s)
@@ -107,7 +113,7 @@ class EtaEstimator:
 
     def estimate(self, *, samples_left: float, tokens_left: float | None) -> Eta | None:
         """The ETA, or None while the band would be meaningless."""
-        if self.intervals < self.MIN_INTERVALS:
+        if self.intervals < self.EARLY_INTERVALS:
             return None
         if samples_left <= 0:
             return Eta(0.0, 0.0, 0.0)
@@ -118,6 +124,7 @@ class EtaEstimator:
         eta = 0.7 * short + 0.3 * long
         noise = 1.0 + 2.0 / math.sqrt(self.intervals)
         low, high = min(short, long) / noise / 1.05, max(short, long) * noise * 1.05
-        if high / max(low, 1e-9) > self.MAX_BAND_RATIO:
+        cap = self.EARLY_BAND_RATIO if self.intervals < self.MIN_INTERVALS else self.MAX_BAND_RATIO
+        if high / max(low, 1e-9) > cap:
             return None
         return Eta(eta, low, high)

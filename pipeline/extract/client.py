@@ -119,7 +119,8 @@ class Extractor:
         if missing:
             self.say(f"{len(missing)} sample(s) recorded done have no file; extracting them again")
             manifest.forget(missing)
-        todo = [i for i in range(len(data)) if i not in done or i in set(missing)]
+        again = set(missing)
+        todo = [i for i in range(len(data)) if i not in done or i in again]
         if len(todo) < len(data):
             self.say(f"resuming: {len(data) - len(todo):,} of {len(data):,} samples already done")
         return data, p, manifest, todo
@@ -137,7 +138,7 @@ class Extractor:
             self.hidden_recorded = True
         self.data, self.plan, self.manifest = data, p, manifest
         self.progress = ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
-                                     tokens_total=data.tokens_total)
+                                     tokens_total=data.tokens_total, tokens_left=sum(data.tokens[i] for i in todo))
         self.jobs: asyncio.Queue[_Job] = asyncio.Queue()
         self.answers: asyncio.Queue[tuple[_Job, bytes]] = asyncio.Queue(maxsize=2 * self.o.concurrency)
         self.remaining, self.inflight, self.storing, self.writing = len(todo), 0, 0, 0

@@ -1,18 +1,29 @@
-"""Progress lines on stderr for a person: rate and ETA, at most one every few seconds."""
+"""Progress lines on stderr for a person: rate and ETA, at most one every few seconds.
+
+The ETA is the monitor's own estimator (pipeline.eta), fed the same kind of intervals:
+one run shows one ETA in its log, in `eagle3 status` and in Slack.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 
+from pipeline.eta import EtaEstimator
+from pipeline.verdict import fmt_s
+
 
 class ProgressLine:
     """Counts samples and prints `extract: N / T (p %), r samples/s, ETA …` now and then."""
 
-    def __init__(self, *, total: int, done: int, tokens_total: int, log=sys.stderr, every_s: float = 5.0) -> None:
+    def __init__(self, *, total: int, done: int, tokens_total: int, tokens_left: int | None = None, log=sys.stderr,
+                 every_s: float = 5.0, clock=time.monotonic) -> None:
         self.total, self.done, self.failed, self.tokens = total, done, 0, 0
-        self.tokens_total, self.log, self.every_s = tokens_total, log, every_s
-        self.start, self.start_done, self.last = time.monotonic(), done, 0.0
+        self.tokens_total, self.log, self.every_s, self.clock = tokens_total, log, every_s, clock
+        self.tokens_left = tokens_left
+        self.start, self.start_done, self.last = clock(), done, 0.0
+        self.eta = EtaEstimator()
+        self.mark = (self.start, done, 0)  # (time, processed, tokens) at the last interval's end
 
     def add(self, *, ok: bool, tokens: int) -> None:
         """Count one finished sample."""
@@ -21,20 +32,36 @@ class ProgressLine:
         else:
             self.failed += 1
         self.tokens += tokens
-        if time.monotonic() - self.last >= self.every_s:
+        if self.tokens_left is not None:
+            self.tokens_left -= tokens
+        if self.clock() - self.last >= self.every_s:
             self.print()
+
+    def _feed(self, now: float) -> None:
+        t0, n0, k0 = self.mark
+        processed = self.done + self.failed
+        if processed > n0 and now > t0:
+            self.eta.add(t=now, dt=now - t0, samples=processed - n0, tokens=self.tokens - k0)
+            self.mark = (now, processed, self.tokens)
+
+    def eta_text(self) -> str:
+        """'ETA 4h 48m (4h 10m–5h 30m)', or why there is none yet."""
+        left = self.total - self.done - self.failed
+        est = self.eta.estimate(samples_left=left, tokens_left=self.tokens_left)
+        if est is None:
+            return "ETA not yet meaningful"
+        return f"ETA {fmt_s(est.eta_s)} ({fmt_s(est.low_s)}–{fmt_s(est.high_s)})"
 
     def print(self) -> None:
         """Print one line now."""
-        self.last = time.monotonic()
+        self.last = self.clock()
+        self._feed(self.last)
         elapsed = max(1e-9, self.last - self.start)
-        n = self.done + self.failed - self.start_done
-        rate = n / elapsed
-        left = self.total - self.done - self.failed
-        eta = f"{left / rate / 60:.0f} min" if rate > 0 else "unknown"
+        rate = (self.done + self.failed - self.start_done) / elapsed
         pct = 100.0 * (self.done + self.failed) / self.total if self.total else 100.0
         print(f"extract: {self.done + self.failed:,} / {self.total:,} ({pct:.1f} %), {rate:.2f} samples/s, "
-              f"{self.tokens / elapsed:,.0f} tokens/s, ETA {eta}, failed {self.failed}", file=self.log, flush=True)
+              f"{self.tokens / elapsed:,.0f} tokens/s, {self.eta_text()}, failed {self.failed}", file=self.log,
+              flush=True)
 
     def final(self) -> None:
         """The closing line."""

@@ -62,6 +62,13 @@ def test_mutations_need_an_allowed_user_and_are_audited(slack):
     assert command(slack, "stuck", user="UNOPE").status_code == 200  # read-only: anyone
 
 
+def test_eta_answers_the_eta_and_stuck_the_evidence(slack):
+    eta, stuck = command(slack, "eta").json()["text"], command(slack, "stuck").json()["text"]
+    assert eta != stuck
+    assert eta.startswith("*extract*: dead, 40.0 % (40 / 100)") and "ETA" not in eta  # a dead stage has none
+    assert "verdict: dead" in stuck and "exited early at 40.0 %" in stuck
+
+
 def test_unknown_and_overlong_text_get_help(slack):
     assert "commands:" in command(slack, "rm -rf /").json()["text"]
     assert "commands:" in command(slack, "status " + "x" * 500).json()["text"]
