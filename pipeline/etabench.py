@@ -34,12 +34,13 @@ class AverageRate:
 
 
 def eta_errors(trace: Trace) -> dict[str, dict[int, float | None]]:
-    """Relative ETA error (|estimate − truth| / truth) at each progress checkpoint, per estimator."""
+    """Relative ETA error (|estimate − truth| / truth) at each progress checkpoint, per estimator;
+    under "band", whether eagle3's band held the truth."""
     t_start = trace.observations[0]["t"] - trace.scenario.tick_s
     finish = t_start + trace.finish_s
     diag, ema, avg = Diagnoser(stage=trace.scenario.stage), EmaRate(), AverageRate()
     avg.t0 = t_start
-    out = {"eagle3": {}, "tqdm-ema": {}, "average-rate": {}}
+    out = {"eagle3": {}, "tqdm-ema": {}, "average-rate": {}, "band": {}}
     pending = list(CHECKPOINTS)
     for obs in trace.observations:
         v = diag.feed(obs)
@@ -53,4 +54,6 @@ def eta_errors(trace: Trace) -> dict[str, dict[int, float | None]]:
             truth = finish - obs["t"]
             for name, est in estimates.items():
                 out[name][cp] = None if est is None or truth <= 0 else abs(est - truth) / truth
+            # 1.0 when the band holds the truth, 0.0 when not, None when withheld
+            out["band"][cp] = None if v.eta_low_s is None else float(v.eta_low_s <= truth <= v.eta_high_s)
     return out
