@@ -29,9 +29,7 @@ TRAINING_DONE, TRAINING_FAILED = "training-done", "training-failed"
 # Before a training process exists the handoff can be cancelled; LAUNCHING included: a
 # launch that completes after the cancel is stopped at once (see `_launching`).
 CANCELLABLE = frozenset({ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING})
-ACTIVE = CANCELLABLE
-FOLLOWED = ACTIVE | {TRAINING}  # steps the tick advances (TRAINING: until training ends)
-FINAL = frozenset({FAILED, CANCELLED, TRAINING_DONE, TRAINING_FAILED})
+FOLLOWED = CANCELLABLE | {TRAINING}  # steps the tick advances (TRAINING: until training ends)
 KEY = "handoff"
 
 
@@ -196,35 +194,39 @@ class Handoff:
         # Rows above the floor are this handoff's launches (the row `start` inserts is the
         # idempotency record). One with a pid was launched. One without a pid is still being
         # started, or was left by a service killed mid-start: refresh closes it as never started
-        # once no runner has taken it up for RUNNER_START_TIMEOUT_S, and it then counts as a
-        # failed attempt. Attempts are bounded: a command that cannot start never will.
+        # once no runner has taken it up for RUNNER_START_TIMEOUT_S; that is not the command's
+        # failure and does not count. Other rows closed without a pid are failed attempts, and
+        # attempts are bounded: a command that cannot start never will.
         self.sup.refresh()
         if not any(p["pid"] is not None or p["state"] in MAYBE_ALIVE_STATES for p in rows()):
-            # A row no runner took up was left by a service that died mid-start: not the command's failure.
             attempts = [p for p in rows() if NO_RUNNER not in (p["reason"] or "")]
             cfg = self.ws.config.handoff
             if len(attempts) >= cfg.launch_attempts:
                 reason = (f"training could not be started after {len(attempts)} attempt(s): "
                           f"{attempts[-1]['reason']}; fix stages.train.argv, then `eagle3 autostart on`")
                 self.store.add_event(kind="handoff-alert", run_id=self.store.current_run(), data={"reason": reason})
-                return self._set(FAILED, reason)
+                self._set(FAILED, reason)
+                return
             if attempts:
                 due = (attempts[-1]["ended_at"] or 0) + cfg.launch_backoff_s * 2 ** (len(attempts) - 1)
                 if self.clock() < due:
-                    return self._note(f"launch attempt {len(attempts)} of {cfg.launch_attempts} failed "
-                                      f"({attempts[-1]['reason']}); retrying in {due - self.clock():.0f} s")
+                    self._note(f"launch attempt {len(attempts)} of {cfg.launch_attempts} failed "
+                               f"({attempts[-1]['reason']}); retrying in {due - self.clock():.0f} s")
+                    return
             self.sup.start("train")
         started = [p for p in rows() if p["pid"] is not None]
         if not started:
-            return self._note("waiting for the training runner to report its pid")
-        if (self.state() or {}).get("step") != LAUNCHING:  # cancelled while the launch was under way
-            self.sup.stop("train", grace_s=30.0)
-            self.store.add_event(kind="handoff", run_id=self.store.current_run(), data={
-                "step": CANCELLED, "reason": f"training (pid {started[0]['pid']}) stopped: auto-start was "
-                                             "cancelled while it was being launched"})
-            return None
-        self._set(TRAINING, f"training launched (pid {started[0]['pid']})", train_proc_id=started[0]["id"])
-        return None
+            self._note("waiting for the training runner to report its pid")
+            return
+        with self.store.atomic():  # the same transaction as a cancel's check: one of the two wins
+            if (self.state() or {}).get("step") == LAUNCHING:
+                self._set(TRAINING, f"training launched (pid {started[0]['pid']})", train_proc_id=started[0]["id"])
+                return
+        # Cancelled while the launch was under way: the operator was told no training would run.
+        self.sup.stop("train", grace_s=30.0)
+        self.store.add_event(kind="handoff", run_id=self.store.current_run(), data={
+            "step": CANCELLED, "reason": f"training (pid {started[0]['pid']}) stopped: auto-start was "
+                                         "cancelled while it was being launched"})
 
     def _training(self, state: dict) -> None:
         """Follow training to its end: the handoff ends `training-done` or `training-failed`."""

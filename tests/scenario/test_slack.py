@@ -50,6 +50,7 @@ def test_malformed_payload_is_400_not_a_dropped_connection(slack):
 def test_train_at_40_percent_is_refused_with_the_numbers(slack):
     msg = command(slack, "train").json()
     assert "extraction is 40.0 % done (40 / 100)" in msg["text"]
+    assert "`/eagle3 autostart on`" in msg["text"] and "`eagle3 start train --force` on the host" in msg["text"]
     assert any(b["type"] == "actions" for b in msg["blocks"]), "offers auto-start"
     assert ("slack:UOK", "C1", "train", "done") in audit(slack["cfg"])
 

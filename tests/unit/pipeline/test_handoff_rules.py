@@ -64,3 +64,16 @@ def test_training_beside_a_server_holding_its_gpus_is_refused(ctl, monkeypatch):
     assert ctl.start("train", force=True)["pid"] == 1
     audit = [(a["action"], a["outcome"]) for a in store.db["audit"].rows]
     assert audit == [("start train", "refused"), ("start train --force", "allowed")]
+
+
+def test_a_stopped_stage_does_not_show_its_last_running_verdict(ctl):
+    store = ctl.store
+    run = store.open_run()
+    proc_id = store.insert_proc({"run_id": run, "stage": "extract", "state": "stopped", "pid": None,
+                                 "argv": "[]", "started_at": 0, "ended_at": 10, "stop_requested": 1,
+                                 "reason": "exit code 0"})
+    store.put("verdict:extract", {"proc_id": proc_id, "verdict": "progressing", "eta_s": 100.0, "reasons": ["x"],
+                                  "t": 5})
+    st = ctl.status(sample_if_unmonitored=False)["stages"]["extract"]
+    assert st["verdict"] == "stopped" and st["eta_s"] is None
+    assert st["reasons"] == ["stopped on request (exit code 0)"]
