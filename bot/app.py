@@ -46,8 +46,11 @@ _DROP_TOKEN_WARNING = _DropClientTokenWarning()
 def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | None = None) -> App:
     """A Bolt app whose listeners call controller verbs."""
     logging.getLogger("slack_bolt.App").addFilter(_DROP_TOKEN_WARNING)  # the same object: added once
+    # process_before_response=False: Bolt answers Slack as soon as a listener calls ack() and runs
+    # the rest in its bounded listener pool, so a slow or rate-limiting Web API (chat.update,
+    # response_url, a 429's Retry-After) never delays an ack past Slack's 3 s.
     app = App(client=slack_client(token, api_url), signing_secret=signing_secret, token_verification_enabled=False,
-              process_before_response=True)
+              process_before_response=False)
 
     def controller_factory() -> Controller:
         return Controller(workspace=ws)  # one sqlite connection per request thread

@@ -2,6 +2,7 @@
 
 Faults are scripted per method: `fail[method] = n` answers the next n calls with 500;
 `script[method]` is a list of answers used up one per call: ("429", retry_after_s),
+`delay_s` makes every answer slow,
 ("500", None) or ("error", "channel_not_found") for an HTTP 200 `{"ok": false}`.
 A faulted call is not recorded as delivered; its time goes to `faults`.
 """
@@ -24,6 +25,7 @@ class FakeSlack:
         self.faults: list[tuple[str, str, float]] = []  # (method, fault, monotonic time)
         self.fail: dict[str, int] = {}
         self.script: dict[str, list[tuple[str, object]]] = {}
+        self.delay_s = 0.0  # every answer waits this long first (a slow Slack)
         self.lock = threading.Lock()
         fake = self
 
@@ -44,6 +46,7 @@ class FakeSlack:
                 except ValueError:
                     params = {"raw": raw}
                 method = self.path.rsplit("/", 1)[-1] if self.path.startswith("/api/") else "response_url"
+                time.sleep(fake.delay_s)
                 with fake.lock:
                     fault = fake._next_fault(method)
                     if fault is None:

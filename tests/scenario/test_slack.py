@@ -163,3 +163,23 @@ def test_train_on_a_complete_looking_run_verifies_after_the_ack(tmp_path):
         assert "verifying sample files" in command(env, "train").json()["text"]
         later = wait_for(lambda: env["fake"].of("response_url"), what="the deferred answer")[0]
         assert "refusing to start training" in later["text"] and "verify found" in later["text"]
+
+
+def test_acks_never_wait_for_a_slow_rate_limiting_slack(slack):
+    """Slack on a bad day: every Web API and response_url call answers after 4 s, and the first
+    chat.update and chat.postMessage get 429 with Retry-After 5. Acks still come within 1 s."""
+    fake = slack["fake"]
+    fake.delay_s = 4.0
+    fake.script["chat.update"] = [("429", 5)]
+    fake.script["chat.postMessage"] = [("429", 5)]
+    blocks = command(slack, "status").json()["blocks"]
+    later = value_of(blocks, "eagle3_later")
+    for what, send in [("command", lambda: command(slack, "status")),
+                       ("click", lambda: click(slack, "eagle3_later", later)),
+                       ("stranger's click", lambda: click(slack, "eagle3_later", later, user="UNOPE")),
+                       ("stranger's command", lambda: command(slack, "autostart on", user="UNOPE"))]:
+        t = time.monotonic()
+        assert send().status_code == 200
+        assert time.monotonic() - t < 1.0, f"the {what} was acknowledged only after {time.monotonic() - t:.1f} s"
+    wait_for(lambda: fake.of("chat.update") and fake.of("response_url"), timeout=30, interval=0.2,
+             what="the follow-ups to reach the slow Slack after the acks")
