@@ -95,8 +95,9 @@ def _details(name: str, st: dict, now: float) -> list[str]:
     return lines
 
 
-def status_blocks(status: dict, *, version: str, now: float | None = None) -> tuple[str, list]:
-    """(fallback text, blocks) for `/eagle3 status`."""
+def status_blocks(status: dict, *, version: str, now: float | None = None, note: str | None = None) -> tuple[str, list]:
+    """(fallback text, blocks) for `/eagle3 status`; `note`: a context line above the buttons
+    (who chose what, after a click on the status post)."""
     now = now or time.time()
     name, st = _focus(status)
     headline = f"*Run {status['run'] or '(none open)'}* — {name}: *{st.get('verdict') or st['state']}*"
@@ -108,6 +109,8 @@ def status_blocks(status: dict, *, version: str, now: float | None = None) -> tu
     auto = status.get("autostart", "off")
     blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(
         f"auto-start: {auto}" + (f" — {status.get('autostart_reason')}" if auto != "off" else "")))]))
+    if note:
+        blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(note))]))
     value = json.dumps({"v": version})
     if auto in CANCELLABLE:
         buttons = [ButtonElement(text="Cancel auto-start", action_id=ACTION_CANCEL, value=value, style="danger")]

@@ -14,11 +14,13 @@ from handlers.blocks import (
     ACTION_CONFIRM,
     ACTION_KEEP,
     ACTION_LATER,
+    status_blocks,
     text_blocks,
 )
 from handlers.views import SLASH, autostart_text
 from pipeline.errors import UserError
 
+STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # the status post's buttons
 LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later",
           ACTION_CONFIRM: "Confirm", ACTION_KEEP: "Keep it running", ACTION_SNOOZE: "Snooze 1 h"}
 
@@ -57,14 +59,19 @@ def register(app, *, controller_factory, ws) -> None:
                     result = str(exc)
             ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
                             detail=result)
+            text = f"<@{user}> chose *{LABELS[action_id]}* at {time.strftime('%H:%M')}: {result}"
+            if action_id in STATUS_ACTIONS:  # the status post stays the status post, with the outcome in it
+                _, blocks = status_blocks(ctl.status(sample_if_unmonitored=False), version=ctl.state_version(),
+                                          note=text)
+            else:
+                blocks = text_blocks(text)
         finally:
             ctl.close()
-        text = f"<@{user}> chose *{LABELS[action_id]}* at {time.strftime('%H:%M')}: {result}"
         container = body.get("container") or {}
         if container.get("is_ephemeral") or not container.get("message_ts"):
-            respond(text=text, blocks=text_blocks(text), replace_original=True)
+            respond(text=text, blocks=blocks, replace_original=True)
         else:
-            client.chat_update(channel=channel, ts=container["message_ts"], text=text, blocks=text_blocks(text))
+            client.chat_update(channel=channel, ts=container["message_ts"], text=text, blocks=blocks)
 
     for action_id in LABELS:
         app.action(action_id)(handle)

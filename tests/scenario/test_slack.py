@@ -85,6 +85,10 @@ def test_button_double_click_is_one_state_change_and_updates_the_message(slack):
     wait_for(lambda: fake.of("chat.update") and fake.of("response_url"), what="update and stale answer")
     update = fake.of("chat.update")[0]
     assert update["ts"] == "1790000000.000100" and "chose *Auto-start training*" in update["text"]
+    # the status post keeps being the status, with the outcome as a context line and buttons for the new state
+    shown = json.dumps(update["blocks"])
+    assert "*Run " in shown and "40.0 % (40 / 100)" in shown and "chose *Auto-start training*" in shown
+    assert "Cancel auto-start" in shown and "Auto-start training when extraction finishes" not in shown
     assert "out of date" in fake.of("response_url")[0]["text"]
     rows = audit(slack["cfg"])
     assert rows.count(("slack:UOK", "C1", "Auto-start training", "done")) == 1
