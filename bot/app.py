@@ -8,7 +8,8 @@ import logging
 import threading
 import time
 from urllib.parse import parse_qsl
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from slack_bolt import App
 from slack_bolt.adapter.wsgi import SlackRequestHandler
@@ -23,6 +24,8 @@ from pipeline.controller import Controller
 log = logging.getLogger("eagle3.bot")
 DEFAULT_API_URL = "https://slack.com/api/"
 SIGNATURE_MAX_AGE_S = 300  # Slack's own rule, as slack_sdk's SignatureVerifier applies it
+READ_TIMEOUT_S = 10.0  # per connection: Slack sends its whole request at once
+MAX_BODY_BYTES = 1 << 20  # Slack's payloads are a few kB; anything far larger is not Slack
 
 
 def slack_client(token: str, api_url: str | None = None) -> WebClient:
@@ -122,7 +125,14 @@ class GuardedHandler:
             length = int(environ.get("CONTENT_LENGTH") or 0)
         except ValueError:
             length = 0
-        body = environ["wsgi.input"].read(length) if length > 0 else b""
+        if length > MAX_BODY_BYTES:
+            start_response("413 Payload Too Large", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"request body too large"]
+        try:
+            body = environ["wsgi.input"].read(length) if length > 0 else b""
+        except OSError:  # the client stopped sending (read timeout) or went away
+            start_response("408 Request Timeout", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"request body not received in time"]
         environ["wsgi.input"] = io.BytesIO(body)
         if environ.get("REQUEST_METHOD") == "POST":
             why = self._unsigned(body, environ)
@@ -143,12 +153,21 @@ class GuardedHandler:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_S  # a client that sends half a request is dropped, not waited for
+
     def log_message(self, fmt, *args):
         log.info("http: " + fmt, *args)
 
 
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """One thread per connection: a slow or stuck client never holds the others' requests."""
+
+    daemon_threads = True
+
+
 def serve_http(app: App, *, signing_secret: str, host: str = "127.0.0.1", port: int = 3000):
     """Serve Slack's HTTP events at /slack/events in a thread; returns the server (port 0: any)."""
-    server = make_server(host, port, GuardedHandler(app, signing_secret), handler_class=_QuietHandler)
+    server = make_server(host, port, GuardedHandler(app, signing_secret), server_class=_ThreadingWSGIServer,
+                         handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="slack-http", daemon=True).start()
     return server

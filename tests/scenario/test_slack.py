@@ -187,3 +187,22 @@ def test_acks_never_wait_for_a_slow_rate_limiting_slack(slack):
         assert time.monotonic() - t < 1.0, f"the {what} was acknowledged only after {time.monotonic() - t:.1f} s"
     wait_for(lambda: fake.of("chat.update") and fake.of("response_url"), timeout=30, interval=0.2,
              what="the follow-ups to reach the slow Slack after the acks")
+
+
+def test_a_stuck_client_does_not_silence_the_bot(slack):
+    """A client that sends headers and then nothing, held open, while Slack's signed commands are answered."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(slack["url"])
+    stuck = socket.create_connection((url.hostname, url.port))
+    try:
+        stuck.sendall(b"POST /slack/events HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{")  # and no more
+        for _ in range(3):
+            t = time.monotonic()
+            assert command(slack, "status").status_code == 200
+            assert time.monotonic() - t < 2.0
+        big = "x" * (2 << 20)
+        assert signed(slack["url"], big).status_code == 413
+    finally:
+        stuck.close()
