@@ -7,8 +7,8 @@ import json
 import logging
 import threading
 import time
-from urllib.parse import parse_qsl
 from socketserver import ThreadingMixIn
+from urllib.parse import parse_qsl
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from slack_bolt import App
