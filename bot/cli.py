@@ -171,8 +171,17 @@ def cmd_run_stage(args) -> int:
 
 @command("serve", "run the monitor (and, later, the Slack app) until stopped; stages keep running")
 def cmd_serve(args) -> int:
+    import logging
+
     from bot.service import serve
     from pipeline.config import find_config
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=min(level, logging.WARNING), format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr, force=True)
+    logging.getLogger("eagle3").setLevel(level)  # libraries stay at WARNING unless debug is asked for
+    if level > logging.DEBUG:
+        for name in ("apscheduler", "slack_bolt", "slack_sdk"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     return serve(load_workspace(find_config(args.config)), max_ticks=args.max_ticks,
                  http_port=args.port if args.http else None, host=args.host)
 
@@ -304,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p["serve"].add_argument("--http", action="store_true", help="serve Slack's HTTP events at /slack/events (signed)")
     p["serve"].add_argument("--port", type=int, default=3000, help="port for --http (default 3000; 0: any)")
     p["serve"].add_argument("--host", default="127.0.0.1", help="address for --http (default 127.0.0.1)")
+    p["serve"].add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                            help="eagle3's own log level (default info); debug also shows the libraries' logs")
     p["diagnose"].add_argument("--replay", metavar="FILE", help="observation JSONL to replay ('-' for stdin)")
     p["diagnose"].add_argument("--json", action="store_true", help="one JSON object per processed line")
     p["export-trace"].add_argument("--stage", choices=STAGE_NAMES)

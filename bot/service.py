@@ -20,6 +20,7 @@ from pipeline.servelock import ServeLock
 log = logging.getLogger("eagle3.service")
 DELIVERY_INTERVAL_S = 1.0
 DRAIN_S = 5.0  # at shutdown: how long to keep delivering what is due
+AUTH_RETRY_PASSES = 30  # an unreachable Slack: auth.test again after this many delivery passes
 RECONNECT_MAX_S = 60.0
 
 
@@ -90,6 +91,7 @@ class Delivery:
         self.stopping = threading.Event()
         self.lock = threading.Lock()  # one pass at a time (the thread, the scheduler's post, the last flush)
         self.thread = threading.Thread(target=self._loop, name="eagle3-delivery", daemon=True)
+        self.auth_checked = not hasattr(notifier.client, "auth_test")  # the console has no token to check
 
     def start(self) -> None:
         """Start delivering."""
@@ -121,8 +123,40 @@ class Delivery:
         finally:
             store.close()
 
+    def check_auth(self) -> None:
+        """`auth.test` once: a refused token is one line in the log and in `eagle3 status`, at start
+        rather than at the first post. An unreachable Slack is tried again on a later pass."""
+        from slack_sdk.errors import SlackApiError
+
+        from pipeline.store import Store
+
+        try:
+            r = self.notifier.client.auth_test()
+            result = {"ok": True, "user": r.get("user"), "team": r.get("team")}
+            log.info("slack: the bot token works (@%s in %s)", result["user"], result["team"])
+        except SlackApiError as exc:
+            error = (exc.response.get("error") if isinstance(exc.response.data, dict) else None) or (
+                f"HTTP {exc.response.status_code}")
+            if exc.response.status_code >= 500 or error in ("ratelimited", "internal_error", "service_unavailable"):
+                return
+            result = {"ok": False, "error": error}
+            log.error("slack: Slack refused the bot token (%s): check SLACK_BOT_TOKEN in the env file, then restart",
+                      error)
+        except OSError:
+            return
+        store = Store(self.ws.store_path)
+        try:
+            store.put("slack_auth", result)
+        finally:
+            store.close()
+        self.auth_checked = True
+
     def _loop(self) -> None:
+        passes = 0
         while not self.stopping.wait(DELIVERY_INTERVAL_S):
+            if not self.auth_checked and passes % AUTH_RETRY_PASSES == 0:
+                self.check_auth()
+            passes += 1
             try:
                 self.one_pass()
             except Exception:  # noqa: BLE001 - delivery retries next pass; the monitor is unaffected
@@ -209,21 +243,22 @@ class Inputs:
         self.thread.start()
 
     def _keep_connected(self) -> None:
-        delay, connected = 1.0, False
+        delay, connected, failing = 1.0, False, False
         while not self.stopping.is_set():
             try:
                 if not self.handler.client.is_connected():
-                    self._record("connecting" if not connected else "reconnecting", None)
+                    if not failing:  # while retrying, the state stays "retrying" with the last error
+                        self._record("reconnecting" if connected else "connecting", None)
                     self.handler.connect()
-                    log.warning("slack: Socket Mode connected")
-                connected, delay = True, 1.0
+                    log.info("slack: Socket Mode connected")
+                connected, delay, failing = True, 1.0, False
                 self._record("connected", None)
                 wait = 5.0
             except Exception as exc:  # noqa: BLE001 - unreachable Slack: retry; the monitor keeps running
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("slack: Socket Mode cannot connect (%s); retrying in %.0f s", error, delay)
                 self._record("retrying", error, retry_in_s=delay)
-                wait, delay = delay, min(RECONNECT_MAX_S, delay * 2)
+                wait, delay, failing = delay, min(RECONNECT_MAX_S, delay * 2), True
             self.stopping.wait(wait)
 
     def _record(self, state: str, error: str | None, **extra) -> None:

@@ -51,6 +51,9 @@ def status_text(status: dict) -> str:
     transport = status.get("transport")
     if transport:
         lines.append(transport_line(transport))
+    auth = status.get("slack_auth") or {}
+    if auth.get("ok") is False:
+        lines.append(f"slack: the bot token was refused ({auth.get('error')}); {slack_hint(auth.get('error') or '')}")
     box = status.get("outbox") or {}
     if box.get("pending") or box.get("failed"):
         error = box.get("last_error")

@@ -183,7 +183,7 @@ class Controller:
         return {"run": self.store.current_run(), "monitor": "running" if monitored else "not running",
                 "autostart": "off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
                 "autostart_reason": (handoff or {}).get("reason"), "outbox": self.store.outbox_summary(),
-                "transport": self._transport(monitored),
+                "transport": self._transport(monitored), "slack_auth": self.store.get("slack_auth") if monitored else None,
                 "stages": {stage: self._stage_status(stage, now) for stage in STAGE_NAMES}}
 
     def _transport(self, monitored: bool) -> dict | None:

@@ -281,3 +281,26 @@ def test_events_from_before_the_start_are_history_but_the_first_ticks_own_are_po
     n.tick(store)
     assert [c["text"] for c in fake.of("chat.postMessage")] == [
         "checking back as asked by cli:root: no stage observed yet"]
+
+
+@pytest.mark.parametrize("answer", ["invalid_auth", "ok"])
+def test_serve_checks_its_token_once_at_start(env, answer, caplog):
+    from bot.service import Delivery
+    from handlers.views import status_text
+    from pipeline.controller import Controller
+
+    if answer != "ok":
+        env["fake"].script["auth.test"] = [("error", answer)]
+    delivery = Delivery(ws=env["ws"], notifier=env["notifier"]())
+    with caplog.at_level("INFO", logger="eagle3.service"):
+        delivery.check_auth()
+    assert delivery.auth_checked and len(env["fake"].faults) + len(env["fake"].of("auth.test")) == 1
+    stored = env["store"].get("slack_auth")
+    if answer == "ok":
+        assert stored["ok"] is True and "the bot token works" in caplog.text
+        return
+    assert stored == {"ok": False, "error": "invalid_auth"}
+    assert "Slack refused the bot token (invalid_auth)" in caplog.text and "xoxb-test" not in caplog.text
+    status = Controller(workspace=env["ws"], store=env["store"]).status(sample_if_unmonitored=False)
+    assert "slack: the bot token was refused (invalid_auth); SLACK_BOT_TOKEN is not valid" in status_text(
+        {**status, "slack_auth": stored})

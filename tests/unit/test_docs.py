@@ -109,6 +109,7 @@ def test_the_guides_journal_lines_are_what_serve_prints(tmp_path):
     assert out.returncode == 0, out.stderr
     printed = out.stdout.splitlines() + out.stderr.splitlines()
     assert start_line.replace("/data/eagle3/eagle3.toml", str(cfg)) in printed, printed
-    assert connected == "slack: Socket Mode connected"  # what bot/service.py logs; needs a reachable Slack
+    assert connected == "INFO eagle3.service: slack: Socket Mode connected"  # needs a reachable Slack: check the source
+    assert 'log.info("slack: Socket Mode connected")' in (ROOT / "bot" / "service.py").read_text()
     head, tail = retry_line.split(" (", 1)[0], retry_line.rsplit(";", 1)[1]
     assert any(line.startswith(head + " (URLError:") and line.endswith(tail) for line in printed), printed
