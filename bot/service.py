@@ -53,12 +53,12 @@ def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host:
     notifier, posting = _notifier(ws)
     monitor = Monitor(ws=ws)
     delivery = Delivery(ws=ws, notifier=notifier)
-    scheduler = _schedule_status_posts(ws, delivery)
-    inputs = Inputs(ws=ws)
+    inputs = Inputs(ws=ws)  # first: a refusal (no signing secret) leaves no thread behind
     if http_port is not None:
         inputs.start_http(host, http_port)
     elif os.environ.get("SLACK_APP_TOKEN"):
         inputs.start_socket_mode()
+    scheduler = _schedule_status_posts(ws, delivery)
 
     def stop(_signum, _frame):
         monitor.stop()
