@@ -20,6 +20,7 @@ from pipeline.store import Store
 RUNNER_START_TIMEOUT_S = 10.0  # a row no live runner has started by then never will
 RUNNER_AWAIT_MAX_S = 60.0  # how long `start` waits for a live runner's pid
 KILL_WAIT_S = 5.0
+RUNNER_EXIT_WAIT_S = 2.0
 NO_RUNNER = "no runner took it up"  # a row whose service died before spawning its runner (not the command's fault)
 
 
@@ -185,6 +186,11 @@ class Supervisor:
         if StageState(row["state"]) in MAYBE_ALIVE_STATES:
             transition(self.store, row, StageState.STOPPED, ended_at=self.host.clock(),
                        reason="stopped; exit status not recorded (no runner)")
+        # The runner exits just after recording: a stop returns once it is gone, so that
+        # "stopped" means nothing of the stage is left (a few ms; bounded in case it hangs).
+        deadline = self.host.clock() + RUNNER_EXIT_WAIT_S
+        while self._runner_alive(row) and self.host.clock() < deadline:
+            self.host.sleep(0.02)
 
     def stop_all(self, *, grace_s: float) -> list[StopResult]:
         """Stop every stage (training first, the server last) and close the run."""
