@@ -62,6 +62,12 @@ def m003_outbox(db: Database) -> None:
     db["outbox"].create_index(["status", "id"])
 
 
+@migrations()
+def m004_outbox_update_key(db: Database) -> None:
+    # The delivery loop asks every pass whether the open run's status message exists.
+    db["outbox"].create_index(["channel", "update_key"])
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
