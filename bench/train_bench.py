@@ -23,16 +23,16 @@ def _extract(tmp: Path) -> tuple[Path, Path]:
                         "--out", str(tmp / "out"), "--concurrency", "8"], check=True, capture_output=True, cwd=ROOT)
     finally:
         server.stop()
-    subprocess.run([sys.executable, "-m", "bot.cli", "toy-server", "--export-lm-head", str(tmp / "lm.safetensors")],
+    subprocess.run([sys.executable, "-m", "bot.cli", "toy-server", "--export-target", str(tmp / "target")],
                    check=True, capture_output=True, cwd=ROOT)
-    return tmp / "out", tmp / "lm.safetensors"
+    return tmp / "out", tmp / "target"
 
 
 def _run(nproc: int, data: Path, lm: Path, out: Path, steps: int) -> dict:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                    "-m", "pipeline.train", "--data", str(data), "--lm-head", str(lm), "--out", str(out),
+                    "-m", "pipeline.train", "--data", str(data), "--target-model", str(lm), "--out", str(out),
                     "--steps", str(steps)], check=True, capture_output=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - t
     lines = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines()]

@@ -278,6 +278,22 @@ def cmd_train(args) -> int:
     return train_main(args.train_args)
 
 
+@command("export", "write a training checkpoint as SGLang's EAGLE-3 draft directory (config.json + model.safetensors)")
+def cmd_export(args) -> int:
+    from pipeline.export import export_checkpoint, launch_line
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out),
+                            with_embeddings=Path(args.with_embeddings) if args.with_embeddings else None)
+    print(f"wrote {out} (LlamaForCausalLMEagle3; checked against SGLang's load rules)")
+    print(f"serve it with: {launch_line(out, args.with_embeddings or 'TARGET_MODEL')}")
+    return 0
+
+
+@command("eval-draft", "acceptance length τ of an exported draft against the target's greedy continuations")
+def cmd_eval_draft(args) -> int:
+    from pipeline.evaldraft import main as eval_main
+    return eval_main(args)
+
+
 @command("demo", "the whole story in a temporary toy workspace: extraction, auto-start, training, summary")
 def cmd_demo(args) -> int:
     from bot.demo import run_demo
@@ -340,6 +356,21 @@ def build_parser() -> argparse.ArgumentParser:
     p["train"].add_argument("train_args", nargs=argparse.REMAINDER, help="--data OUT --out CKPT --steps N …")
     p["demo"].add_argument("--slack-channel", metavar="C…", help="post to this Slack channel as well "
                            "(needs SLACK_BOT_TOKEN; default: the console transport)")
+    x = p["export"]
+    x.add_argument("checkpoint", help="a training --out directory (its latest checkpoint) or checkpoints/step_N")
+    x.add_argument("--out", required=True, help="directory to write (replaced atomically)")
+    x.add_argument("--with-embeddings", metavar="TARGET_DIR",
+                   help="also write the target's embedding (SGLang swaps the target's in without it)")
+    v = p["eval-draft"]
+    v.add_argument("--draft", required=True, help="an exported draft directory (eagle3 export, or the trainer's OUT/draft)")
+    v.add_argument("--server", required=True, help="the target's SGLang URL (greedy continuations, aux hidden states)")
+    v.add_argument("--data", required=True, help="JSONL of prompts (input_ids); half learn the bigram baseline")
+    v.add_argument("--target-model", metavar="DIR", help="the target's HF directory (its embedding), unless the "
+                                                       "draft was exported --with-embeddings")
+    v.add_argument("--depth", type=int, default=5, help="draft tokens per round, --speculative-num-steps (default 5)")
+    v.add_argument("--prompts", type=int, default=64, help="prompts to read (default 64)")
+    v.add_argument("--new-tokens", type=int, default=96, help="greedy continuation length (default 96)")
+    v.add_argument("--json", action="store_true", help="one JSON object")
     p["run-stage"].add_argument("--stage", required=True, choices=STAGE_NAMES)
     p["run-stage"].add_argument("--proc-id", required=True, type=int)
     return parser

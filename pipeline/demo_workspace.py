@@ -41,7 +41,7 @@ def config_text(*, python: str, port: int, steps: int = TRAIN_STEPS) -> str:
     extract = [python, "-m", "bot.cli", "extract", "--server", url, "--data", "data.jsonl", "--out", "out",
                "--concurrency", "4", "--server-wait", "120"]
     train = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline.train",
-             "--data", "out", "--lm-head", "lm_head.safetensors", "--out", "ckpt", "--steps", str(steps),
+             "--data", "out", "--target-model", "target", "--out", "ckpt", "--steps", str(steps),
              "--save-every", "20"]
     return f"""# eagle3-ops demo workspace: the toy pipeline on this machine's CPU.
 [monitor]
@@ -78,12 +78,12 @@ env = {{ MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS =
 
 
 def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS) -> Path:
-    """Write data, the toy LM head and eagle3.toml into `directory`; returns the config path."""
-    from pipeline.toy_server import export_lm_head
+    """Write data, the toy target's HF directory and eagle3.toml into `directory`; returns the config path."""
+    from pipeline.toy_model import export_target
 
     directory.mkdir(parents=True, exist_ok=True)
     write_dataset(directory / "data.jsonl")
-    export_lm_head(str(directory / "lm_head.safetensors"))
+    export_target(directory / "target")
     cfg = directory / "eagle3.toml"
     cfg.write_text(config_text(python=sys.executable, port=_free_port(), steps=steps))
     return cfg

@@ -68,7 +68,7 @@ restart = "on-failure"
 # (README: memory table). Other flags: --lr 3e-3, --seed 0, --save-every 50, --eval-every 0
 # (at the end), --log-every 1, --resume, --skip-bad (docs/operator.md: trainer flags).
 argv = ["{BIN}/torchrun", "--standalone", "--nproc-per-node", "4", "-m", "pipeline.train",
-        "--data", "<EXTRACT_OUT>", "--lm-head", "<MODEL_PATH>", "--out", "<CKPT_DIR>",
+        "--data", "<EXTRACT_OUT>", "--target-model", "<MODEL_PATH>", "--out", "<CKPT_DIR>",
         "--steps", "<STEPS>", "--token-budget", "2048"]
 gpus = [0, 1, 2, 3]
 out = "<CKPT_DIR>"

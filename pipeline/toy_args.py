@@ -21,4 +21,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wrong-rows-every", type=int, default=0, help="drop one row from every Nth response")
     p.add_argument("--fixed-reply", action="store_true", help="skip the model (client benchmarks)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--export-lm-head", metavar="FILE", help="write the LM head weights as safetensors and exit")
+    p.add_argument("--export-target", metavar="DIR", help="write the toy target as a Hugging Face directory "
+                   "(config.json; embedding, final norm and LM head through model.safetensors.index.json) and exit")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.toy_model import HIDDEN, LAYERS, ToyLM, aux_layer_ids
+from pipeline.toy_model import HIDDEN, LAYERS, VOCAB, ToyLM, aux_layer_ids, export_target
 
 VERSION = "0.5.23-toy"
 
@@ -54,8 +54,8 @@ class ToyState:
 
     def generate(self, req: dict) -> tuple[int, dict]:
         ids = req.get("input_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < 256 for i in ids):
-            return 400, {"error": {"message": "input_ids must be a non-empty list of ids in 0..255"}}
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < VOCAB for i in ids):
+            return 400, {"error": {"message": f"input_ids must be a non-empty list of ids in 0..{VOCAB - 1}"}}
         params = req.get("sampling_params") or {}
         new_tokens = max(1, int(params.get("max_new_tokens", 1)))
         with self.lock:
@@ -189,18 +189,11 @@ def _metrics(state: ToyState) -> str:
             f"toy:max_running_reqs{label} {state.max_running}\ntoy:generate_total{label} {state.generate_count}\n")
 
 
-def export_lm_head(path: str) -> None:
-    """Write {'lm_head.weight': [V, H]} as safetensors."""
-    from safetensors.torch import save_file
-
-    save_file({"lm_head.weight": ToyLM().lm_head.weight.detach().contiguous()}, path)
-
-
 def serve(opts: argparse.Namespace) -> int:
     """Run until killed."""
-    if opts.export_lm_head:
-        export_lm_head(opts.export_lm_head)
-        print(f"wrote {opts.export_lm_head}")
+    if opts.export_target:
+        export_target(Path(opts.export_target))
+        print(f"wrote the toy target to {opts.export_target}")
         return 0
     torch.set_num_threads(1)
     state = ToyState(opts)

@@ -110,5 +110,5 @@ def toy_extraction(tmp_path_factory):
         assert res.returncode == 0, res.stderr
     finally:
         server.stop()
-    assert eagle3("toy-server", "--export-lm-head", str(root / "lm_head.safetensors")).returncode == 0
-    return {"out": root / "out", "lm_head": root / "lm_head.safetensors", "samples": samples, "data": root / "d.jsonl"}
+    assert eagle3("toy-server", "--export-target", str(root / "target")).returncode == 0
+    return {"out": root / "out", "target": root / "target", "samples": samples, "data": root / "d.jsonl"}

@@ -19,8 +19,11 @@ def step_dir(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"step_{step}"
 
 
-def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier) -> None:
-    """Every rank writes its RNG state; rank 0 the rest; then `latest` moves."""
+CONFIG_NAME = "draft_config.json"
+
+
+def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier, config) -> None:
+    """Every rank writes its RNG state; rank 0 the rest (weights, optimizer, the draft's config); then `latest` moves."""
     d = step_dir(out, step)
     d.mkdir(parents=True, exist_ok=True)
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / f"rng_rank{rank}.pt")
@@ -28,6 +31,7 @@ def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier) -> None
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(d / "model.safetensors"))
         torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, d / "optim.pt")
+        (d / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=1))
         (d / "state.json").write_text(json.dumps({"step": step}))
     barrier()
     if rank == 0:
@@ -45,9 +49,31 @@ def latest_step(out: Path) -> int | None:
         return None
 
 
-def load(out: Path, *, step: int, model, opt, sched, rank: int) -> None:
-    """Restore a checkpoint written by `save`."""
+def read_config(d: Path) -> dict:
+    """The draft config a checkpoint was written with; a one-line error for an older layout."""
+    from pipeline.errors import UserError
+
+    path = d / CONFIG_NAME
+    if not path.exists():
+        raise UserError(f"{d}: this checkpoint predates the SGLang draft layout (no {CONFIG_NAME}); "
+                        "it cannot be served or resumed: retrain into a new --out")
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        raise UserError(f"{path}: not JSON") from None
+
+
+def load(out: Path, *, step: int, model, opt, sched, rank: int, config) -> None:
+    """Restore a checkpoint written by `save` (refusing one of another shape or layout)."""
+    from pipeline.errors import UserError
+
     d = step_dir(out, step)
+    saved = read_config(d)
+    now = config.to_dict()
+    diff = [f"{k} {saved.get(k)!r} → {now[k]!r}" for k in now if k != "aux_layer_ids" and saved.get(k) != now[k]]
+    if diff:
+        raise UserError(f"--resume: the checkpoint at step {step} has another shape ({'; '.join(diff)}); "
+                        "resume with the flags it was trained with, or train into a new --out")
     model.load_state_dict(load_file(str(d / "model.safetensors")))
     optim = torch.load(d / "optim.pt", weights_only=False)
     opt.load_state_dict(optim["optimizer"])

@@ -8,6 +8,7 @@ of (seed, epoch), so a resumed run sees exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import json
 import random
 import sqlite3
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ class Corpus:
     hidden: int
     topk: int
     bad: list[str]
+    final_slot: str | None = None  # 'post-norm' (this project's extraction) or 'pre-norm' (speculators' files)
+    layer_ids: list[int] | None = None  # the target layers whose inputs are the aux states
 
 
 def _expect(path: Path, name: str, shape, want) -> None:
@@ -77,6 +80,7 @@ def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> C
     try:
         conn = open_readonly(mpath)
         done = [r[0] for r in conn.execute("SELECT idx FROM samples WHERE status = 'done' ORDER BY idx")]
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
         conn.close()
     except sqlite3.Error as exc:
         raise UserError(f"{mpath}: unreadable manifest ({exc})") from None
@@ -99,7 +103,30 @@ def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> C
         raise UserError(f"{data_dir}: no usable samples")
     val = [s for s in samples if random.Random(s.idx).random() < val_share] or samples[:1]
     val_ids = {s.idx for s in val}
-    return Corpus([s for s in samples if s.idx not in val_ids], val, layers, hidden, topk, bad)
+    slot = meta.get("final_slot") or "post-norm"  # manifests before the field: this project's server, post-norm
+    if slot not in ("post-norm", "pre-norm"):
+        raise UserError(f"{mpath}: meta final_slot is {slot!r}; expected 'post-norm' or 'pre-norm'")
+    try:
+        layer_ids = json.loads(meta["layer_ids"]) if meta.get("layer_ids") else None
+    except ValueError:
+        layer_ids = None
+    return Corpus([s for s in samples if s.idx not in val_ids], val, layers, hidden, topk, bad,
+                  final_slot=slot if layers == 4 else None, layer_ids=layer_ids)
+
+
+def token_counts(samples: list[SampleInfo], vocab: int) -> torch.Tensor:
+    """How often each target token occurs where the loss mask is on (every token without one)."""
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for s in samples:
+        with safe_open(str(s.path), framework="pt") as f:
+            ids = f.get_tensor("token_ids")
+            if "loss_mask" in f.keys():  # noqa: SIM118 - safe_open has no __contains__
+                ids = ids[f.get_tensor("loss_mask").bool()]
+        if ids.numel() and int(ids.max()) >= vocab:
+            raise UserError(f"{s.path}: token id {int(ids.max())} is outside the target's vocabulary ({vocab}): "
+                            "data from another model?")
+        counts += torch.bincount(ids, minlength=vocab)
+    return counts
 
 
 def batches(samples: list[SampleInfo], *, budget: int, seed: int, epoch: int) -> list[list[SampleInfo]]:
@@ -119,7 +146,7 @@ def batches(samples: list[SampleInfo], *, budget: int, seed: int, epoch: int) ->
 
 
 def load_batch(batch: list[SampleInfo], *, bad: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Pad a batch: token_ids [B, T], aux [B, T, 3H], final [B, T, H] or top-K, mask [B, T]."""
+    """Pad a batch: token_ids [B, T], aux [B, T, 3H], final [B, T, H] or top-K, mask and loss_mask [B, T]."""
     from safetensors.torch import load_file
 
     loaded = []
@@ -138,7 +165,7 @@ def load_batch(batch: list[SampleInfo], *, bad: list[str] | None = None) -> dict
     hs0 = loaded[0]["hidden_states"]
     H = hs0.shape[2]
     out = {"token_ids": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, 3 * H)}
+           "loss_mask": torch.zeros(B, T, dtype=torch.bool), "aux": torch.zeros(B, T, 3 * H)}
     if hs0.shape[1] == 4:
         out["final"] = torch.zeros(B, T, H)
     else:
@@ -150,6 +177,7 @@ def load_batch(batch: list[SampleInfo], *, bad: list[str] | None = None) -> dict
         hs = t["hidden_states"].float()
         out["token_ids"][b, :n] = t["token_ids"]
         out["mask"][b, :n] = True
+        out["loss_mask"][b, :n] = t["loss_mask"].bool() if "loss_mask" in t else True
         out["aux"][b, :n] = hs[:, :3].reshape(n, 3 * H)
         if "final" in out:
             out["final"][b, :n] = hs[:, 3]

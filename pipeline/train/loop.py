@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,8 +18,11 @@ import torch.distributed as dist
 
 from pipeline.errors import UserError
 from pipeline.train import checkpoint
-from pipeline.train.data import Corpus, batches, load_batch, load_corpus
-from pipeline.train.model import DraftHead, load_lm_head, target_logprobs
+from pipeline.train.data import Corpus, batches, load_batch, load_corpus, token_counts
+from pipeline.train.model import DraftConfig, Eagle3Draft, RMSNorm, build_target, draft_vocab
+from pipeline.train.target import Target, load_target
+
+DEFAULT_DRAFT_VOCAB = 32000
 
 
 class TrainError(UserError):
@@ -31,12 +35,20 @@ def parser() -> argparse.ArgumentParser:
     """The trainer's arguments (also `eagle3 train`)."""
     p = argparse.ArgumentParser(prog="python -m pipeline.train", description="Train an EAGLE-3 draft head.")
     p.add_argument("--data", required=True, help="extraction output directory")
-    p.add_argument("--lm-head", help="target LM head: a safetensors file or a Hugging Face model directory")
-    p.add_argument("--out", required=True, help="checkpoint directory (progress.jsonl goes here)")
+    p.add_argument("--target-model", "--lm-head", dest="target_model", metavar="DIR",
+                   help="the target's Hugging Face directory: its embedding, lm_head and final norm are read "
+                        "through the safetensors index (--lm-head: the older name)")
+    p.add_argument("--out", required=True, help="checkpoint directory (progress.jsonl goes here; the draft for "
+                                               "SGLang is exported to OUT/draft at the end)")
     p.add_argument("--steps", type=int, required=True, help="train up to this step")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--skip-bad", action="store_true", help="leave out missing or corrupt sample files (counted)")
     p.add_argument("--ttt", type=int, default=7, help="training-time-test unroll steps (default 7)")
+    p.add_argument("--draft-vocab", type=int, help="draft vocabulary: the N most frequent target tokens of the "
+                                                   "loss-masked data (default 32000, or the target's if smaller)")
+    p.add_argument("--heads", type=int, help="attention heads (default: the target's num_attention_heads)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: the target's num_key_value_heads)")
+    p.add_argument("--intermediate", type=int, help="MLP width (default: the target's intermediate_size)")
     p.add_argument("--token-budget", type=int, default=4096, help="padded tokens per batch per rank")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -80,87 +92,138 @@ class Dist:
             dist.destroy_process_group()
 
 
-def vocab_size(corpus: Corpus, lm_head) -> int:
-    if lm_head is not None:
-        return lm_head.shape[0]
-    from safetensors.torch import load_file
-    top = 0
-    for s in corpus.train + corpus.val:
-        t = load_file(str(s.path))
-        top = max(top, int(t["token_ids"].max()), int(t["target_topk_ids"].max()))
-    return top + 1
+def draft_config(args, corpus: Corpus, target: Target) -> DraftConfig:
+    """The draft's shapes: hidden size = the target's; heads and MLP from the target's config or flags."""
+    c = target.config
+    H = target.hidden
+    heads = args.heads or c.get("num_attention_heads") or max(1, H // 128)
+    kv = args.kv_heads or c.get("num_key_value_heads") or heads
+    if H % heads or heads % kv:
+        raise UserError(f"--heads {heads} / --kv-heads {kv}: the hidden size {H} must divide by the heads, "
+                        "and the heads by the key/value heads")
+    want = args.draft_vocab if args.draft_vocab is not None else min(DEFAULT_DRAFT_VOCAB, target.vocab)
+    if not 1 <= want <= target.vocab:
+        raise UserError(f"--draft-vocab {want}: must be between 1 and the target's vocabulary ({target.vocab})")
+    scaling = c.get("rope_scaling")
+    return DraftConfig(
+        hidden_size=H, target_hidden_size=corpus.hidden, num_attention_heads=heads, num_key_value_heads=kv,
+        head_dim=H // heads, intermediate_size=args.intermediate or c.get("intermediate_size") or 4 * H,
+        vocab_size=target.vocab, draft_vocab_size=want, rms_norm_eps=float(c.get("rms_norm_eps") or 1e-5),
+        rope_theta=float(c.get("rope_theta") or 10000.0), rope_scaling=scaling if isinstance(scaling, dict) else None,
+        max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
+        aux_layer_ids=_non_default_aux(corpus.layer_ids, c.get("num_hidden_layers")))
 
 
-def validate(model, corpus: Corpus, lm_head, args, device) -> dict:
-    """Per-position top-1 accuracy against the target's argmax, and the most-frequent-token baseline."""
+def _non_default_aux(ids: list[int] | None, layers) -> list[int]:
+    """The aux capture ids when they are not SGLang's default [2, N//2, N-3] (then the export must name them)."""
+    if not ids or not isinstance(layers, int):
+        return []
+    return [] if list(ids) == [2, layers // 2, layers - 3] else list(ids)
+
+
+def validate(model, corpus: Corpus, target: Target, final_norm, args, device) -> dict:
+    """Top-1 accuracy of each unrolled step against the target's argmax, and the most-frequent-token baseline."""
     hits, counts, argmaxes = [0] * args.ttt, [0] * args.ttt, Counter()
     model.eval()
     with torch.no_grad():
         for b in batches(corpus.val, budget=args.token_budget, seed=args.seed, epoch=0):
             batch = {k: v.to(device) for k, v in load_batch(b).items()}
-            logp, ids = target_logprobs(batch, lm_head)
-            _, _, acc = model(batch, logp, ids, ttt=args.ttt)
+            tgt = build_target(batch, model, target.head.to(device), final_norm)
+            _, _, acc = model(batch, tgt, steps=args.ttt)
             for k, (h, n) in enumerate(acc):
                 hits[k] += h
                 counts[k] += n
-            top = logp.argmax(-1) if ids is None else torch.gather(ids, -1, logp.argmax(-1, keepdim=True))[..., 0]
-            argmaxes.update(top[batch["mask"]].tolist())
+            argmaxes.update(tgt["top"][tgt["valid"]].tolist())
     model.train()
     total = sum(argmaxes.values())
     return {"acc": [h / n if n else None for h, n in zip(hits, counts, strict=True)],
             "baseline_top1": argmaxes.most_common(1)[0][1] / total if total else None}
 
 
+def build(args, corpus: Corpus, target: Target, d: Dist) -> tuple[Eagle3Draft, DraftConfig]:
+    """The draft, its vocabulary from the loss-masked data, lm_head and norm started from the target's."""
+    cfg = draft_config(args, corpus, target)
+    torch.manual_seed(args.seed)
+    model = Eagle3Draft(cfg, target.embed)
+    d2t, t2d = draft_vocab(token_counts(corpus.train, target.vocab), cfg.draft_vocab_size)
+    model.set_vocab(d2t, t2d)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(target.head[model.hot_ids()])
+        if target.norm is not None:
+            model.norm.weight.copy_(target.norm)
+    return model.to(d.device), cfg
+
+
 def run(args: argparse.Namespace) -> int:
-    """Load, (resume,) step, save, validate."""
+    """Load, (resume,) step, save, validate, export."""
     d = Dist()
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         corpus = load_corpus(Path(args.data), skip_bad=args.skip_bad)
-        lm_head = load_lm_head(args.lm_head).to(d.device).float() if args.lm_head else None
-        if corpus.layers == 4 and lm_head is None:
-            raise UserError("the files carry the final layer: pass --lm-head (the target's LM head) to form the target")
-        if lm_head is not None and lm_head.shape[1] != corpus.hidden:
-            raise UserError(f"--lm-head is [{lm_head.shape[0]}, {lm_head.shape[1]}] but the data's hidden size is "
-                            f"{corpus.hidden}: the head is from another model")
-        source = "final hidden state through the frozen LM head" if corpus.layers == 4 else f"stored top-{corpus.topk} logprobs"
+        if not args.target_model:
+            raise UserError("pass --target-model DIR (the target's Hugging Face directory): the draft uses the "
+                            "target's embedding, and its LM head to form the training target")
+        target = load_target(args.target_model, need_norm=corpus.final_slot == "pre-norm")
+        if target.hidden != corpus.hidden:
+            raise UserError(f"--target-model {args.target_model} has hidden size {target.hidden} but the data's is "
+                            f"{corpus.hidden}: the data comes from another model")
+        final_norm = None
+        if corpus.final_slot == "pre-norm":
+            eps = float(target.config.get("rms_norm_eps") or 1e-5)
+            final_norm = RMSNorm(target.hidden, eps).to(d.device)
+            with torch.no_grad():
+                final_norm.weight.copy_(target.norm)
+            final_norm.requires_grad_(False)
+        model, cfg = build(args, corpus, target, d)
+        source = ("the final hidden state (" + corpus.final_slot + ") through the target's LM head"
+                  if corpus.layers == 4 else f"the stored top-{corpus.topk} logprobs")
         if d.rank == 0:
+            covered = int(model.t2d.sum())
             print(f"train: {len(corpus.train)} train / {len(corpus.val)} validation samples, hidden {corpus.hidden}; "
-                  f"target from the {source}" + (f"; {len(corpus.bad)} bad file(s) skipped" if corpus.bad else ""),
-                  flush=True)
-        torch.manual_seed(args.seed)
-        model = DraftHead(hidden=corpus.hidden, vocab=vocab_size(corpus, lm_head), lm_head=lm_head).to(d.device)
+                  f"target from {source}; draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size} "
+                  f"({covered} ids)" + (f"; {len(corpus.bad)} bad file(s) skipped" if corpus.bad else ""), flush=True)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
         start = 0
         if args.resume and (found := checkpoint.latest_step(out)) is not None:
-            checkpoint.load(out, step=found, model=model, opt=opt, sched=sched, rank=d.rank)
+            checkpoint.load(out, step=found, model=model, opt=opt, sched=sched, rank=d.rank, config=cfg)
             start = found
             if d.rank == 0:
                 _truncate_progress(out, start)
                 print(f"train: resumed from step {start}", flush=True)
         ddp = torch.nn.parallel.DistributedDataParallel(model) if d.world > 1 else model
-        return _loop(args, d, ddp, model, opt, sched, corpus, lm_head, start, out)
+        ctx = Ctx(target=target, final_norm=final_norm, cfg=cfg)
+        return _loop(args, d, ddp, model, opt, sched, corpus, ctx, start, out)
     finally:
         d.close()
 
 
-def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, lm_head, start: int, out: Path) -> int:
+@dataclass
+class Ctx:
+    """What every step reads besides the batch."""
+
+    target: Target
+    final_norm: RMSNorm | None
+    cfg: DraftConfig
+
+
+def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start: int, out: Path) -> int:
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     per_epoch: dict[int, list] = {}
     progress = open(out / "progress.jsonl", "a") if d.rank == 0 else None  # noqa: SIM115
     bad = [] if args.skip_bad else None
+    head = ctx.target.head.to(d.device)
     step = start
     try:
         for step in range(start + 1, args.steps + 1):
             batch_list = _rank_batches(per_epoch, corpus, args, d, step)
             t0 = time.perf_counter()
             batch = {k: v.to(d.device) for k, v in load_batch(batch_list, bad=bad).items()}
-            logp, ids = target_logprobs(batch, lm_head)
+            tgt = build_target(batch, model, head, ctx.final_norm)
             with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=d.device.type == "cuda"):
-                loss, ent, _ = ddp(batch, logp, ids, ttt=args.ttt)
+                loss, ent, _ = ddp(batch, tgt, steps=args.ttt)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -178,19 +241,23 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, lm_head, start:
                 _write(progress, {"step": step, "total_steps": args.steps, "loss": round(mloss, 6),
                                   "kl": round(mloss - ment, 6), "tokens_per_s": round(rate, 1)})
             if args.eval_every and step % args.eval_every == 0 and d.rank == 0:
-                _validation(out, step, model, corpus, lm_head, args, d)
+                _validation(out, step, model, corpus, ctx, args, d)
             if d.any(stop["flag"]):
-                checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier)
+                checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
+                                config=ctx.cfg)
                 if d.rank == 0:
                     print(f"train: SIGTERM: checkpoint saved at step {step}; resume with --resume", flush=True)
                 return 0
             if step % args.save_every == 0 and step != args.steps:
-                checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier)
-        checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier)
+                checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
+                                config=ctx.cfg)
+        checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
+                                config=ctx.cfg)
         if d.rank == 0:
-            _validation(out, step, model, corpus, lm_head, args, d)
+            _validation(out, step, model, corpus, ctx, args, d)
             if bad:
                 print(f"train: {len(bad)} unreadable file(s) skipped (--skip-bad)", flush=True)
+            _export(out, step, ctx)
         return 0
     finally:
         if progress:
@@ -209,13 +276,21 @@ def _rank_batches(cache: dict, corpus: Corpus, args, d: Dist, step: int) -> list
     return all_batches[(i * d.world + d.rank) % len(all_batches)]
 
 
-def _validation(out: Path, step: int, model, corpus, lm_head, args, d: Dist) -> None:
-    v = validate(model, corpus, lm_head, args, d.device)
+def _validation(out: Path, step: int, model, corpus, ctx: Ctx, args, d: Dist) -> None:
+    v = validate(model, corpus, ctx.target, ctx.final_norm, args, d.device)
     with open(out / "validation.jsonl", "a") as fh:
         fh.write(json.dumps({"step": step, **v}) + "\n")
     acc = ", ".join("-" if a is None else f"{a:.3f}" for a in v["acc"])
     print(f"train: step {step} validation top-1 by position [{acc}], most-frequent baseline {v['baseline_top1']:.3f}",
           flush=True)
+
+
+def _export(out: Path, step: int, ctx: Ctx) -> None:
+    from pipeline.export import export_checkpoint, launch_line
+
+    dest = export_checkpoint(checkpoint.step_dir(out, step), out / "draft")
+    print(f"train: draft for SGLang written to {dest} (LlamaForCausalLMEagle3)", flush=True)
+    print(f"train: serve it with: {launch_line(dest, ctx.target.source)}", flush=True)
 
 
 def _write(fh, record: dict) -> None:

@@ -35,11 +35,11 @@ def progress(ckpt: Path) -> list[dict]:
 @pytest.mark.slow
 def test_torchrun_80_steps_learns_the_target(toy_extraction, tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc = torchrun("--data", str(toy_extraction["out"]), "--lm-head", str(toy_extraction["lm_head"]),
+    proc = torchrun("--data", str(toy_extraction["out"]), "--target-model", str(toy_extraction["target"]),
                     "--out", str(ckpt), "--steps", "80")
     out = proc.communicate(timeout=280)[0]
     assert proc.returncode == 0, out
-    assert "target from the final hidden state through the frozen LM head" in out
+    assert "target from the final hidden state (post-norm) through the target's LM head" in out
     lines = progress(ckpt)
     assert [r["step"] for r in lines] == list(range(1, 81))
     assert all(set(r) == {"step", "total_steps", "loss", "kl", "tokens_per_s"} for r in lines)
@@ -50,11 +50,14 @@ def test_torchrun_80_steps_learns_the_target(toy_extraction, tmp_path):
     assert {p.name for p in step.iterdir()} >= {"model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt"}
     assert "fc.weight" in load_file(step / "model.safetensors")
     assert (ckpt / "latest").read_text().strip() == "step_80"
+    from pipeline.sglang_draft import check_export
+    assert check_export(ckpt / "draft") == []
+    assert f"--speculative-draft-model-path {ckpt / 'draft'}" in out
 
 
 @pytest.mark.slow
 def test_sigterm_then_resume_matches_an_uninterrupted_run(toy_extraction, tmp_path):
-    common = ["--data", str(toy_extraction["out"]), "--lm-head", str(toy_extraction["lm_head"]), "--steps", "30"]
+    common = ["--data", str(toy_extraction["out"]), "--lm-head", str(toy_extraction["target"]), "--steps", "30"]  # the older name
     b = torchrun(*common, "--out", str(tmp_path / "b"))
     wait_for(lambda: len(progress(tmp_path / "b")) >= 8, timeout=200, what="8 steps of run b")
     os.killpg(b.pid, signal.SIGTERM)
@@ -83,7 +86,7 @@ def test_wrong_shape_stops_before_step_1_naming_file_and_tensor(toy_extraction, 
     f = data / "hidden_states" / "hs_5.safetensors"
     t = load_file(f)
     save_file({"token_ids": t["token_ids"], "hidden_states": t["hidden_states"][:, :, :32].contiguous()}, f)
-    rc = train_main(["--data", str(data), "--lm-head", str(toy_extraction["lm_head"]), "--out", str(tmp_path / "c"),
+    rc = train_main(["--data", str(data), "--target-model", str(toy_extraction["target"]), "--out", str(tmp_path / "c"),
                      "--steps", "2"])
     err = capsys.readouterr().err
     assert rc == 2
@@ -94,7 +97,7 @@ def test_wrong_shape_stops_before_step_1_naming_file_and_tensor(toy_extraction, 
 def test_missing_file_is_an_error_unless_skip_bad(toy_extraction, tmp_path, capsys):
     data = copy_data(toy_extraction["out"], tmp_path / "data")
     (data / "hidden_states" / "hs_9.safetensors").unlink()
-    args = ["--data", str(data), "--lm-head", str(toy_extraction["lm_head"]), "--out", str(tmp_path / "c"), "--steps", "2"]
+    args = ["--data", str(data), "--target-model", str(toy_extraction["target"]), "--out", str(tmp_path / "c"), "--steps", "2"]
     assert train_main(args) == 2
     assert "hs_9.safetensors: unreadable" in capsys.readouterr().err
     assert train_main([*args, "--skip-bad"]) == 0
@@ -107,7 +110,7 @@ def test_nan_stops_with_a_clear_error_reported_in_progress(toy_extraction, tmp_p
         t = load_file(f)
         t["hidden_states"] = torch.full_like(t["hidden_states"], float("nan"))
         save_file(t, f)
-    rc = train_main(["--data", str(data), "--lm-head", str(toy_extraction["lm_head"]), "--out", str(tmp_path / "c"),
+    rc = train_main(["--data", str(data), "--target-model", str(toy_extraction["target"]), "--out", str(tmp_path / "c"),
                      "--steps", "3"])
     assert rc == 3
     assert "training stopped: loss is nan at step 1" in capsys.readouterr().err
@@ -115,9 +118,9 @@ def test_nan_stops_with_a_clear_error_reported_in_progress(toy_extraction, tmp_p
     assert last["loss"] is None and "nan" in last["error"]
 
 
-def test_final_layer_needs_lm_head(toy_extraction, tmp_path, capsys):
+def test_training_needs_the_target_model(toy_extraction, tmp_path, capsys):
     assert train_main(["--data", str(toy_extraction["out"]), "--out", str(tmp_path / "c"), "--steps", "1"]) == 2
-    assert "pass --lm-head" in capsys.readouterr().err
+    assert "pass --target-model DIR" in capsys.readouterr().err
 
 
 def test_topk_targets_from_stock_server(tmp_path, capsys):
@@ -131,19 +134,33 @@ def test_topk_targets_from_stock_server(tmp_path, capsys):
                       str(tmp_path / "out"), "--target-topk", "8").returncode == 0
     finally:
         server.stop()
-    rc = train_main(["--data", str(tmp_path / "out"), "--out", str(tmp_path / "c"), "--steps", "3", "--ttt", "2"])
+    assert eagle3("toy-server", "--export-target", str(tmp_path / "target")).returncode == 0
+    rc = train_main(["--data", str(tmp_path / "out"), "--target-model", str(tmp_path / "target"), "--out",
+                     str(tmp_path / "c"), "--steps", "3", "--ttt", "2", "--draft-vocab", "200"])
     assert rc == 0
     assert "target from the stored top-8 logprobs" in capsys.readouterr().out
     assert len(progress(tmp_path / "c")) == 3
 
 
-def test_lm_head_from_hf_directory(toy_extraction, tmp_path):
-    from pipeline.train.model import load_lm_head
+def test_target_tensors_from_a_sharded_hf_directory(toy_extraction, tmp_path, capsys):
+    from pipeline.errors import UserError
+    from pipeline.train.target import load_target
 
+    src = load_file(toy_extraction["target"] / "model.safetensors")
     hf = tmp_path / "hf"
     hf.mkdir()
-    w = load_file(toy_extraction["lm_head"])["lm_head.weight"]
-    save_file({"lm_head.weight": w, "other": torch.zeros(2)}, hf / "model-00002-of-00002.safetensors")
-    (hf / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
-    assert torch.equal(load_lm_head(str(hf)), w)
+    save_file({"lm_head.weight": src["lm_head.weight"], "other": torch.zeros(2)}, hf / "model-00002-of-00002.safetensors")
+    save_file({"model.embed_tokens.weight": src["model.embed_tokens.weight"]}, hf / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors", "other": "model-00002-of-00002.safetensors",
+                            "model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    t = load_target(str(hf), need_norm=False)
+    assert torch.equal(t.head, src["lm_head.weight"]) and torch.equal(t.embed, src["model.embed_tokens.weight"])
+    with pytest.raises(UserError, match=r"no tensor model.norm.weight \(the files' last slot is pre-norm\)"):
+        load_target(str(hf), need_norm=True)
+    del index["weight_map"]["model.embed_tokens.weight"]
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    rc = train_main(["--data", str(toy_extraction["out"]), "--target-model", str(hf), "--out", str(tmp_path / "c"),
+                     "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "no tensor model.embed_tokens.weight" in err

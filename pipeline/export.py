@@ -1,0 +1,106 @@
+"""`eagle3 export CHECKPOINT --out DIR`: a training checkpoint as SGLang's EAGLE-3 draft directory.
+
+config.json (LlamaForCausalLMEagle3) and model.safetensors with exactly the names SGLang
+0.5.23 loads. The output is checked with SGLang's own load rules (`pipeline.sglang_draft`)
+before it is moved into place; a problem refuses the export, naming each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.sglang_draft import ARCH, check_export
+
+# trainer module name → SGLang tensor name (identical by construction; listed so nothing extra slips out)
+NAMES = ("fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+         "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+         "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+         "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+         "norm.weight", "lm_head.weight", "d2t", "t2d")
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory, or a training --out directory (its `latest`)."""
+    path = Path(path)
+    if (path / "latest").exists():
+        step = (path / "latest").read_text().strip()
+        path = path / "checkpoints" / step
+    if not (path / "model.safetensors").exists():
+        raise UserError(f"{path}: no model.safetensors: give a training --out directory or one of its "
+                        "checkpoints/step_N directories")
+    return path
+
+
+def sglang_config(cfg: dict) -> dict:
+    """config.json for SGLang from the trainer's draft config."""
+    out = {"architectures": [ARCH], "model_type": "llama", "num_hidden_layers": 1,
+           "hidden_size": cfg["hidden_size"], "num_attention_heads": cfg["num_attention_heads"],
+           "num_key_value_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
+           "intermediate_size": cfg["intermediate_size"], "hidden_act": "silu", "rms_norm_eps": cfg["rms_norm_eps"],
+           "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": cfg["rope_theta"],
+           "rope_scaling": cfg.get("rope_scaling"), "vocab_size": cfg["vocab_size"],
+           "draft_vocab_size": cfg["draft_vocab_size"], "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    if cfg["target_hidden_size"] != cfg["hidden_size"]:
+        out["target_hidden_size"] = cfg["target_hidden_size"]
+    ids = cfg.get("aux_layer_ids") or []  # set by the trainer only when the extraction used non-default layers
+    if ids:
+        # SGLang adds 1 to each configured id ("the ith layer takes the output of the (i-1)th")
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}
+    return out
+
+
+def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | None = None,
+                      dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write SGLang's layout into `out` (atomically: a temp dir, checked, then renamed)."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.train.checkpoint import read_config
+
+    step = resolve_checkpoint(checkpoint)
+    cfg = read_config(step)
+    state = load_file(str(step / "model.safetensors"))
+    unknown = sorted(set(state) - set(NAMES))
+    missing = sorted(set(NAMES) - set(state))
+    if missing or unknown:
+        raise UserError(f"{step}: not an SGLang-layout checkpoint (missing {missing or 'none'}, unknown "
+                        f"{unknown or 'none'}); it must be retrained")
+    tensors = {k: (v if v.dtype in (torch.int64, torch.bool) else v.to(dtype)).contiguous() for k, v in state.items()}
+    if with_embeddings is not None:
+        from pipeline.train.target import load_target
+
+        tensors["embed_tokens.weight"] = load_target(str(with_embeddings), need_norm=False).embed.to(dtype).contiguous()
+    config = sglang_config(cfg)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        problems = check_export(tmp)
+        if problems:
+            raise UserError(f"export refused: SGLang would not load it: {'; '.join(problems)}")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def launch_line(draft: Path, target: str, *, steps: int = 5, topk: int = 1, tokens: int = 6) -> str:
+    """The SGLang command that serves the target with this draft."""
+    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {draft} --speculative-num-steps {steps} "
+            f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}")
