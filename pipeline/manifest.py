@@ -3,7 +3,9 @@
 Table `samples`: idx INTEGER PRIMARY KEY (the data line, from 0), id, status
 ('done' | 'failed'), tokens, bytes, attempts, error, finished_at (unix seconds).
 Table `meta`: key, value — dataset_sha256, samples_total, tokens_total, model,
-layers, hidden_size, layer_ids, layer_convention, final_layer.
+layers, hidden_size, layer_ids, layer_convention, final_layer,
+final_slot ("post-norm": the final layer as this project's server side returns it; "pre-norm":
+speculators' convention, the trainer applies the target's final norm).
 """
 
 from __future__ import annotations

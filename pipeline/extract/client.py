@@ -72,6 +72,7 @@ class _Job:
     idx: int
     ids: list[int]
     sid: str | None
+    loss_mask: list[int] | None = None
     attempts: int = 0
     truncated_once: bool = False
     last_error: str = ""
@@ -113,6 +114,7 @@ class Extractor:
         manifest.set_meta({"dataset_sha256": data.sha256, "samples_total": len(data), "tokens_total": data.tokens_total,
                            "model": p.model, "layers": p.layers, "layer_ids": json.dumps(p.layer_ids),
                            "layer_convention": LAYER_CONVENTION, "final_layer": "present" if p.final_present else "absent",
+                           "final_slot": "post-norm" if p.final_present else "",
                            "data_path": str(Path(self.o.data).resolve()), "server_version": p.version})
         done = manifest.done()
         missing = [i for i in done if not sample_path(self.o.out, i).exists()]
@@ -199,8 +201,8 @@ class Extractor:
             if idx in self.data.errors:
                 self._finish(_Job(idx, [], None), "failed", error=self.data.errors[idx])
                 continue
-            ids, sid = self.data.read(fh, idx)
-            self.jobs.put_nowait(_Job(idx, ids, sid))
+            ids, sid, mask = self.data.read_sample(fh, idx)
+            self.jobs.put_nowait(_Job(idx, ids, sid, mask))
 
     async def _requester(self, client) -> None:
         while True:
@@ -255,7 +257,7 @@ class Extractor:
             self.writing += 1
             try:
                 try:
-                    nbytes = await asyncio.to_thread(self._store, content, job.idx, job.ids, job.sid, self.plan)
+                    nbytes = await asyncio.to_thread(self._store, content, job, self.plan)
                 finally:
                     self.writing -= 1
                 self._finish(job, "done", nbytes=nbytes)
@@ -303,7 +305,8 @@ class Extractor:
         self.remaining -= 1
         self.progress.add(ok=status == "done", tokens=tokens or 0)
 
-    def _store(self, content: bytes, idx: int, ids: list[int], sid, p: Plan) -> int:
+    def _store(self, content: bytes, job: _Job, p: Plan) -> int:
+        idx, ids, sid = job.idx, job.ids, job.sid
         try:
             answer = json.loads(content)
             meta = answer["meta_info"]
@@ -313,7 +316,8 @@ class Extractor:
         width = check_rows(rows, seq=len(ids), layers=p.layers, width=self.width, chunk=p.chunk)
         self.width = self.width or width
         topk = topk_rows(meta, seq=len(ids), k=p.topk) if p.topk else None
-        tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=DTYPES[self.o.dtype], topk=topk)
+        tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=DTYPES[self.o.dtype], topk=topk,
+                              loss_mask=job.loss_mask)
         metadata = {"model": p.model, "layer_ids": json.dumps(p.layer_ids), "layer_convention": LAYER_CONVENTION,
                     "final_layer": "present" if p.final_present else "absent", "id": "" if sid is None else sid}
         try:

@@ -1,4 +1,7 @@
-"""The dataset JSONL: one sample a line with `input_ids` and an optional `id`.
+"""The dataset JSONL: one sample a line with `input_ids`, an optional `id` and an optional `loss_mask`.
+
+`loss_mask` (0/1 per token, as long as `input_ids`; 1 = train on this token, e.g. the
+assistant's tokens from the chat template) travels into the sample file and the trainer.
 
 One pass computes the file's hash, each line's offset and token count, without
 keeping the token ids in memory (87.8 M of them would be gigabytes as Python ints).
@@ -32,12 +35,21 @@ class Dataset:
 
     def read(self, fh, idx: int) -> tuple[list[int], str | None]:
         """(input_ids, id) of line `idx` from an open binary handle."""
+        return self.read_sample(fh, idx)[:2]
+
+    def read_sample(self, fh, idx: int) -> tuple[list[int], str | None, list[int] | None]:
+        """(input_ids, id, loss_mask or None) of line `idx`."""
         fh.seek(self.offsets[idx])
-        return parse_line(fh.readline())
+        return parse_sample(fh.readline())
 
 
 def parse_line(raw: bytes) -> tuple[list[int], str | None]:
-    """Validate one data line; raises ValueError with the reason."""
+    """Validate one data line; (input_ids, id); raises ValueError with the reason."""
+    return parse_sample(raw)[:2]
+
+
+def parse_sample(raw: bytes) -> tuple[list[int], str | None, list[int] | None]:
+    """Validate one data line; (input_ids, id, loss_mask or None); raises ValueError with the reason."""
     try:
         obj = json.loads(raw)
     except ValueError as exc:
@@ -50,7 +62,14 @@ def parse_line(raw: bytes) -> tuple[list[int], str | None]:
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise ValueError("input_ids must be non-negative integers")
     sid = obj.get("id")
-    return ids, None if sid is None else str(sid)
+    mask = obj.get("loss_mask")
+    if mask is not None:
+        if not isinstance(mask, list) or len(mask) != len(ids):
+            raise ValueError(f"loss_mask must be a list as long as input_ids ({len(ids)} tokens)"
+                             + (f", it has {len(mask)}" if isinstance(mask, list) else ""))
+        if any(m not in (0, 1) or isinstance(m, float) for m in mask):
+            raise ValueError("loss_mask must hold only 0 and 1 (1 = train on this token)")
+    return ids, None if sid is None else str(sid), mask
 
 
 def scan(path: Path) -> Dataset:

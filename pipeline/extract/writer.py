@@ -20,12 +20,14 @@ def sample_path(out: Path, idx: int) -> Path:
 
 
 def tensors_for(*, token_ids: list[int], rows: list, layers: int, dtype: torch.dtype,
-                topk: tuple[list, list] | None) -> dict[str, torch.Tensor]:
-    """The sample's tensors: token_ids [seq] int64, hidden_states [seq, L, H] (+ top-K)."""
+                topk: tuple[list, list] | None, loss_mask: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """The sample's tensors: token_ids [seq] int64, hidden_states [seq, L, H] (+ top-K, + loss_mask [seq] uint8)."""
     hs = torch.tensor(rows, dtype=torch.float32)
     seq, d = hs.shape
     out = {"token_ids": torch.tensor(token_ids, dtype=torch.int64),
            "hidden_states": hs.reshape(seq, layers, d // layers).to(dtype).contiguous()}
+    if loss_mask is not None:
+        out["loss_mask"] = torch.tensor(loss_mask, dtype=torch.uint8)
     if topk:
         out["target_topk_ids"] = torch.tensor(topk[0], dtype=torch.int64)
         out["target_topk_logprobs"] = torch.tensor(topk[1], dtype=torch.float32)

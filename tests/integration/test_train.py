@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,66 @@ def test_target_tensors_from_a_sharded_hf_directory(toy_extraction, tmp_path, ca
                      "--steps", "1"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "no tensor model.embed_tokens.weight" in err
+
+
+def test_bad_draft_vocabulary_and_pre_norm_last_slot(toy_extraction, tmp_path, capsys):
+    args = ["--data", str(toy_extraction["out"]), "--target-model", str(toy_extraction["target"]), "--steps", "1"]
+    assert train_main([*args, "--out", str(tmp_path / "a"), "--draft-vocab", "300"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--draft-vocab 300: must be between 1 and the target's vocabulary (256)" in err
+    data = copy_data(toy_extraction["out"], tmp_path / "data")
+    conn = sqlite3.connect(data / "manifest.sqlite")
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('final_slot', 'pre-norm')")
+    conn.commit()
+    conn.close()
+    assert train_main(["--data", str(data), "--target-model", str(toy_extraction["target"]), "--steps", "1",
+                       "--out", str(tmp_path / "b"), "--ttt", "2"]) == 0
+    assert "final hidden state (pre-norm) through the target's LM head" in capsys.readouterr().out
+
+
+def test_loss_mask_travels_from_the_dataset_to_the_training_target(tmp_path):
+    from pipeline.extract.dataset import parse_sample
+    from pipeline.train.data import load_batch, load_corpus, token_counts
+    from pipeline.train.model import DraftConfig, Eagle3Draft, build_target, draft_vocab
+    from pipeline.train.target import load_target
+    from tests.conftest import eagle3
+    from tests.toy import ToyServer
+
+    with pytest.raises(ValueError, match="loss_mask must be a list as long as input_ids"):
+        parse_sample(b'{"input_ids": [1, 2, 3], "loss_mask": [1, 0]}')
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        parse_sample(b'{"input_ids": [1, 2], "loss_mask": [1, 2]}')
+    lines = []
+    for i in range(6):
+        ids = [(7 * i + j) % 256 for j in range(20)]
+        lines.append(json.dumps({"input_ids": ids, "loss_mask": [0] * 10 + [1] * 10}))
+    lines.append('{"input_ids": [1, 2, 3], "loss_mask": [1]}')
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    server = ToyServer()
+    try:
+        res = eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out"))
+    finally:
+        server.stop()
+    conn = sqlite3.connect(tmp_path / "out" / "manifest.sqlite")
+    failed = conn.execute("SELECT idx, error FROM samples WHERE status = 'failed'").fetchall()
+    conn.close()
+    assert failed == [(6, "data line 7: loss_mask must be a list as long as input_ids (3 tokens), it has 1")], res.stderr
+    corpus = load_corpus(tmp_path / "out", skip_bad=False, val_share=0.0)
+    everything = corpus.train + corpus.val
+    t = load_file(everything[0].path)
+    assert t["loss_mask"].tolist() == [0] * 10 + [1] * 10
+    target = load_target(str(_toy_target(tmp_path)), need_norm=False)
+    counts = token_counts(everything, 256)
+    assert int(counts.sum()) == 6 * 10  # only the masked-in tokens count toward the draft vocabulary
+    cfg = DraftConfig(hidden_size=64, target_hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                      intermediate_size=32, vocab_size=256, draft_vocab_size=256)
+    m = Eagle3Draft(cfg, target.embed)
+    m.set_vocab(*draft_vocab(counts, 256))
+    batch = load_batch(everything)
+    valid = build_target(batch, m, target.head)["valid"]
+    assert valid[:, :9].sum() == 0 and bool(valid[:, 9:19].all()) and valid[:, 19].sum() == 0
+
+
+def _toy_target(tmp_path: Path) -> Path:
+    from pipeline.toy_model import export_target
+    return export_target(tmp_path / "target")
