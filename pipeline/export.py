@@ -12,10 +12,9 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from pipeline.errors import UserError
-from pipeline.sglang_draft import ARCH, check_export
+
+ARCH = "LlamaForCausalLMEagle3"  # torch-free here: the service reads draft_note after training
 
 # trainer module name → SGLang tensor name (identical by construction; listed so nothing extra slips out)
 NAMES = ("fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
@@ -55,11 +54,14 @@ def sglang_config(cfg: dict) -> dict:
     return out
 
 
-def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | None = None,
-                      dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write SGLang's layout into `out` (atomically: a temp dir, checked, then renamed)."""
+def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | None = None) -> Path:
+    """Write SGLang's layout (bf16 weights) into `out` (atomically: a temp dir, checked, then renamed)."""
+    import torch
     from safetensors.torch import load_file, save_file
 
+    from pipeline.sglang_draft import check_export
+
+    dtype = torch.bfloat16
     from pipeline.train.checkpoint import read_config
 
     step = resolve_checkpoint(checkpoint)
@@ -97,6 +99,19 @@ def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | No
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def draft_note(train_out: Path | None, argv: list[str], *, cwd: Path) -> str:
+    """'; draft for SGLang: DIR — serve with: …' for the trainer's OUT/draft, '' when it is not there."""
+    if train_out is None or not (train_out / "draft" / "config.json").exists():
+        return ""
+    target = "TARGET_MODEL"
+    for flag in ("--target-model", "--lm-head"):
+        if flag in argv[:-1]:
+            t = Path(argv[argv.index(flag) + 1])
+            target = str(t if t.is_absolute() else cwd / t)
+    draft = train_out / "draft"
+    return f"; draft for SGLang: {draft} — serve it with `{launch_line(draft, target)}`"
 
 
 def launch_line(draft: Path, target: str, *, steps: int = 5, topk: int = 1, tokens: int = 6) -> str:

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ARCH = "LlamaForCausalLMEagle3"
+from pipeline.export import ARCH
+
 REQUIRED = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
             "num_key_value_heads", "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings",
             "rope_theta", "vocab_size", "draft_vocab_size", "tie_word_embeddings")
@@ -258,4 +259,5 @@ class SglangDraft:
         mlp = (F.silu(gu[:, : d.inter]) * gu[:, d.inter:]) @ p["model.layers.0.mlp.down_proj.weight"].T
         residual = mlp + residual  # final norm(hidden, residual): add, norm for logits, pre-norm carried on
         logits = self._norm(residual, "model.norm.weight") @ p["lm_head.weight"].T
+        self.last_logits = logits
         return self.hot[logits.argmax(-1)], residual

@@ -260,12 +260,10 @@ def build_target(batch: dict, model: Eagle3Draft, head: torch.Tensor | None, fin
             p = torch.zeros(B, T, hot.shape[0], device=ids.device).scatter_add_(-1, did.clamp_min(0), w)
             p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
             tgt = torch.gather(ids, -1, logp.argmax(-1, keepdim=True))[..., 0]
-        in_vocab = t2d[tgt]
-        top = torch.full_like(tgt, -1)
-        to_d = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=tgt.device)
-        to_d[hot] = torch.arange(hot.shape[0], device=tgt.device)
-        top = to_d[tgt]
-    return {"p": p, "valid": predicts & in_vocab, "top": top}
+        to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=tgt.device)
+        to_draft[hot] = torch.arange(hot.shape[0], device=tgt.device)
+        top = to_draft[tgt]
+    return {"p": p, "valid": predicts & t2d[tgt], "top": top}
 
 
 def draft_vocab(counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
