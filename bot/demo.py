@@ -24,8 +24,9 @@ from pipeline.demo_workspace import write_demo_workspace
 from pipeline.errors import UserError
 from pipeline.monitor import Monitor
 
-TIMEOUT_S = 170.0
+TIMEOUT_S = 330.0
 POST_EVERY_S = 8.0
+EVAL_DEPTH, EVAL_PROMPTS, EVAL_NEW_TOKENS = 5, 48, 64
 
 
 def _say(text: str) -> None:
@@ -88,6 +89,7 @@ def run_demo(slack_channel: str | None = None) -> int:
         ctl.close()
     if ok:
         _summary(root, ws, started)
+        ok = _evaluate(root)
     _say("nothing left running." if ok else f"demo did not finish; see {log} and {root}/.eagle3/logs")
     return 0 if ok else 1
 
@@ -134,7 +136,43 @@ def _summary(root: Path, ws, started: float) -> None:
     _say("  handoff after extraction completed: " + ", ".join(
         f"{name} +{t - completion:.1f} s" for name, t in marks if t))
     _say(f"  training kl: {lines[0]['kl']:.2f} at step 1 → {lines[-1]['kl']:.3f} at step {lines[-1]['step']}")
-    _say(f"  whole demo: {time.time() - started:.0f} s")
+    _say(f"  whole demo so far: {time.time() - started:.0f} s")
+
+
+def _evaluate(root: Path) -> bool:
+    """Measure the exported draft the way SGLang serves it, against a fresh toy server."""
+    import subprocess
+
+    from pipeline.evaldraft import evaluate, format_result
+    from pipeline.export import launch_line
+
+    draft = root / "ckpt" / "draft"
+    _say(f"  draft for SGLang: {draft}")
+    _say(f"  serve it with: {launch_line(draft, str(root / 'target'))}")
+    _say("4. measuring the draft: chain speculation at depth 5 against the toy target's greedy continuations")
+    server = subprocess.Popen([sys.executable, "-m", "bot.cli", "toy-server", "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        line = server.stdout.readline()
+        if "listening on" not in line:
+            _say(f"   the toy server did not start: {line.strip()}")
+            return False
+        url = line.split("listening on ")[1].split()[0]
+        res = evaluate(draft_dir=draft, server=url, data=root / "data.jsonl", target_model=str(root / "target"),
+                       depth=EVAL_DEPTH, prompts=EVAL_PROMPTS, new_tokens=EVAL_NEW_TOKENS, say=lambda _m: None)
+    except UserError as exc:
+        _say(f"   eval-draft: {exc}")
+        return False
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+    (root / "draft_eval.json").write_text(json.dumps(res, indent=1) + "\n")
+    for text in format_result(res).splitlines():
+        _say("   " + text)
+    _say(f"  τ: draft {res['tau']:.2f}, bigram table {res['tau_bigram']:.2f}, without aux features "
+         f"{res['tau_no_aux']:.2f} (details: {root / 'draft_eval.json'})")
+    return True
 
 
 if __name__ == "__main__":

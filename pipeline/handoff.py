@@ -227,6 +227,13 @@ class Handoff:
             "step": CANCELLED, "reason": f"training (pid {started[0]['pid']}) stopped: auto-start was "
                                          "cancelled while it was being launched"})
 
+    def _draft_note(self) -> str:
+        """Where the trainer exported the draft, and SGLang's launch line for it ('' when there is none)."""
+        from pipeline.export import draft_note
+
+        train = self.ws.config.stages.train
+        return draft_note(self.ws.resolve(train.out), train.argv, cwd=self.ws.resolve(train.cwd) or self.ws.root)
+
     def _training(self, state: dict) -> None:
         """Follow training to its end: the handoff ends `training-done` or `training-failed`."""
         self.sup.refresh()
@@ -236,6 +243,6 @@ class Handoff:
         if proc["stop_requested"]:
             self._set(CANCELLED, f"training stopped on request ({proc['reason']})")
         elif proc["state"] == "exited" and proc["exit_code"] == 0:
-            self._set(TRAINING_DONE, "training finished (exit 0)")
+            self._set(TRAINING_DONE, "training finished (exit 0)" + self._draft_note())
         else:
             self._set(TRAINING_FAILED, f"training ended: {proc['reason']}")

@@ -104,7 +104,7 @@ class ToyLM(nn.Module):
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
         gen = torch.Generator().manual_seed(SEED)
         with torch.no_grad():
-            for name, p in self.named_parameters():  # every tensor from the seeded generator
+            for p in self.parameters():  # every tensor from the seeded generator
                 if p.dim() == 1:
                     p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=gen))
                 else:

@@ -192,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
             if d.rank == 0:
                 _truncate_progress(out, start)
                 print(f"train: resumed from step {start}", flush=True)
-        ddp = torch.nn.parallel.DistributedDataParallel(model) if d.world > 1 else model
+        # Buffers (the frozen target embedding, d2t, t2d) are identical on every rank by construction:
+        # broadcasting them each step would move the whole embedding (4.7 GB at V = 163,840, H = 7,168).
+        ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
         ctx = Ctx(target=target, final_norm=final_norm, cfg=cfg)
         return _loop(args, d, ddp, model, opt, sched, corpus, ctx, start, out)
     finally:
@@ -249,12 +251,13 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
                     print(f"train: SIGTERM: checkpoint saved at step {step}; resume with --resume", flush=True)
                 return 0
             if step % args.save_every == 0 and step != args.steps:
-                checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
-                                config=ctx.cfg)
+                checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank,
+                                barrier=d.barrier, config=ctx.cfg)
         checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
-                                config=ctx.cfg)
+                        config=ctx.cfg)
         if d.rank == 0:
-            _validation(out, step, model, corpus, ctx, args, d)
+            if not (args.eval_every and step % args.eval_every == 0):  # not validated at this step already
+                _validation(out, step, model, corpus, ctx, args, d)
             if bad:
                 print(f"train: {len(bad)} unreadable file(s) skipped (--skip-bad)", flush=True)
             _export(out, step, ctx)
@@ -288,9 +291,9 @@ def _validation(out: Path, step: int, model, corpus, ctx: Ctx, args, d: Dist) ->
 def _export(out: Path, step: int, ctx: Ctx) -> None:
     from pipeline.export import export_checkpoint, launch_line
 
-    dest = export_checkpoint(checkpoint.step_dir(out, step), out / "draft")
+    dest = export_checkpoint(checkpoint.step_dir(out, step), (out / "draft").resolve())
     print(f"train: draft for SGLang written to {dest} (LlamaForCausalLMEagle3)", flush=True)
-    print(f"train: serve it with: {launch_line(dest, ctx.target.source)}", flush=True)
+    print(f"train: serve it with: {launch_line(dest, str(Path(ctx.target.source).resolve()))}", flush=True)
 
 
 def _write(fh, record: dict) -> None:

@@ -210,3 +210,16 @@ def test_gqa_and_rope_shapes_in_the_export(tmp_path):
     assert list(t["midlayer.self_attn.k_proj.weight"].shape) == [4, 32]
     assert check_export(out) == []
     assert math.isclose(json.loads((out / "config.json").read_text())["rope_theta"], 10000.0)
+
+
+def test_training_done_names_the_draft_and_the_launch_line(tmp_path):
+    from pipeline.export import draft_note
+
+    argv = ["/opt/venv/bin/torchrun", "-m", "pipeline.train", "--target-model", "models/t", "--out", "ckpt"]
+    assert draft_note(tmp_path / "ckpt", argv, cwd=tmp_path) == ""  # nothing exported (yet)
+    (tmp_path / "ckpt" / "draft").mkdir(parents=True)
+    (tmp_path / "ckpt" / "draft" / "config.json").write_text("{}")
+    note = draft_note(tmp_path / "ckpt", argv, cwd=tmp_path)
+    assert f"draft for SGLang: {tmp_path / 'ckpt' / 'draft'}" in note
+    assert f"--model-path {tmp_path / 'models' / 't'} --speculative-algorithm EAGLE3" in note
+    assert "--enable-return-aux-hidden-states" not in note
