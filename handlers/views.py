@@ -131,7 +131,7 @@ def verdict_line(stage: str, st: dict) -> str:
     if st.get("eta_s") is not None:
         parts.append(f"ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))})")
     elif verdict in ("progressing", "slow", "starting"):
-        parts.append("ETA not yet meaningful")
+        parts.append(f"no ETA yet ({st['eta_note']})" if st.get("eta_note") else "ETA not yet meaningful")
     line = ", ".join(parts)
     reasons = st.get("reasons") or []
     return line + ("\n" + "\n".join(f"{'':<10} - {r}" for r in reasons) if reasons else "")
@@ -150,7 +150,7 @@ def eta_line(stage: str, st: dict, *, now: float | None = None) -> str:
                 f"finishing around {clock_time(finish)}")
     if st.get("verdict") in ("done", "stopped", "dead"):
         return head
-    why = "; ".join(st.get("reasons") or []) or "not enough progress observed yet"
+    why = st.get("eta_note") or "; ".join(st.get("reasons") or []) or "not enough progress observed yet"
     return f"{head}, no ETA yet ({why})"
 
 

@@ -221,7 +221,7 @@ class Controller:
             v = {**v, "verdict": "stopped", "stuck": False, "eta_s": None, "eta_low_s": None, "eta_high_s": None,
                  "reasons": [f"stopped on request ({proc['reason']})" if proc["stop_requested"] else proc["reason"]]}
         keys = ("verdict", "stuck", "progress_pct", "eta_s", "eta_low_s", "eta_high_s", "reasons", "done", "failed",
-                "total", "rate_samples_per_s", "rate_tokens_per_s", "last_progress_at")
+                "total", "rate_samples_per_s", "rate_tokens_per_s", "last_progress_at", "eta_note")
         fields = {k: v.get(k) for k in keys}
         fields["observed_at"] = v.get("t")
         obs = self.store.latest_observation(stage) or {}

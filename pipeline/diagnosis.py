@@ -54,6 +54,7 @@ class Diagnoser:
         self.first_t: float | None = None
         self.last_processed: float | None = None
         self.last_tokens: float | None = None
+        self.last_sq: float | None = None
         self.last_progress_at: float | None = None
         self.gaps: list[float] = []  # sorted, bounded
         self._gap_order: deque[float] = deque()
@@ -84,9 +85,9 @@ class Diagnoser:
         done, failed = num(prog, "done"), num(prog, "failed") or 0.0
         if done is None:
             return
-        processed, tokens = done + failed, num(prog, "tokens_done")
+        processed, tokens, sq = done + failed, num(prog, "tokens_done"), num(prog, "tokens_sq_done")
         if self.last_processed is None:
-            self.last_processed, self.last_tokens = processed, tokens
+            self.last_processed, self.last_tokens, self.last_sq = processed, tokens, sq
             if processed > 0:
                 self.last_progress_at = t
             return
@@ -97,11 +98,12 @@ class Diagnoser:
             since = self.last_progress_at
             dn = processed - self.last_processed
             dk = tokens - self.last_tokens if tokens is not None and self.last_tokens is not None else None
+            dq = sq - self.last_sq if sq is not None and self.last_sq is not None else None
             if since is not None and t > since:
                 self._note_gap(t - since)
-                self.eta.add(t=t, dt=t - since, samples=dn, tokens=dk)
+                self.eta.add(t=t, dt=t - since, samples=dn, tokens=dk, tokens_sq=dq)
                 self.intervals.append((t, t - since, dn, dk))
-            self.last_processed, self.last_tokens, self.last_progress_at = processed, tokens, t
+            self.last_processed, self.last_tokens, self.last_sq, self.last_progress_at = processed, tokens, sq, t
         horizon = t - self.policy.baseline_window_s - self.policy.slow_window_s
         while self.intervals and self.intervals[0][0] < horizon:
             self.intervals.popleft()
@@ -298,8 +300,12 @@ class Diagnoser:
             return {}
         tok_total, tok_done = num(prog, "tokens_total"), num(prog, "tokens_done")
         tokens_left = tok_total - tok_done if tok_total is not None and tok_done is not None else None
-        est = self.eta.estimate(samples_left=total - done - failed, tokens_left=tokens_left)
-        return {} if est is None else {"eta_s": est.eta_s, "eta_low_s": est.low_s, "eta_high_s": est.high_s}
+        sq_total, sq_done = num(prog, "tokens_sq_total"), num(prog, "tokens_sq_done")
+        sq_left = sq_total - sq_done if sq_total is not None and sq_done is not None else None
+        est = self.eta.estimate(samples_left=total - done - failed, tokens_left=tokens_left, tokens_sq_left=sq_left)
+        if est is None:
+            return {"eta_note": self.eta.why} if self.eta.why else {}
+        return {"eta_s": est.eta_s, "eta_low_s": est.low_s, "eta_high_s": est.high_s}
 
     def _slow_reason(self, t: float) -> str | None:
         p = self.policy

@@ -31,21 +31,24 @@ def open_readonly(path: Path) -> sqlite3.Connection:
 
 
 def summarize(out_dir: Path) -> dict:
-    """{done, failed, total, tokens_done, tokens_total, layers, hidden_size}; raises OSError/sqlite3.Error."""
+    """{done, failed, total, tokens_done, tokens_total, tokens_sq_done, tokens_sq_total, layers, hidden_size};
+    raises OSError/sqlite3.Error."""
     path = Path(out_dir) / MANIFEST_NAME
     if not path.exists():
         raise FileNotFoundError(f"{path}: no manifest yet")
     conn = open_readonly(path)
     try:
-        counts = {s: (n, t or 0) for s, n, t in conn.execute(
-            "SELECT status, COUNT(*), SUM(tokens) FROM samples GROUP BY status")}
+        counts = {s: (n, t or 0, q or 0) for s, n, t, q in conn.execute(
+            "SELECT status, COUNT(*), SUM(tokens), SUM(tokens * tokens) FROM samples GROUP BY status")}
         meta = dict(conn.execute("SELECT key, value FROM meta"))
     finally:
         conn.close()
     as_int = lambda k: int(meta[k]) if meta.get(k) not in (None, "") else None  # noqa: E731
-    done, failed = counts.get("done", (0, 0)), counts.get("failed", (0, 0))
+    done, failed = counts.get("done", (0, 0, 0)), counts.get("failed", (0, 0, 0))
+    sq_total = as_int("tokens_sq_total")  # absent in manifests written before it was recorded
     return {"done": done[0], "failed": failed[0], "total": as_int("samples_total"),
             "tokens_done": done[1] + failed[1], "tokens_total": as_int("tokens_total"), "unit": "samples",
+            "tokens_sq_done": done[2] + failed[2] if sq_total is not None else None, "tokens_sq_total": sq_total,
             "layers": as_int("layers"), "hidden_size": as_int("hidden_size")}
 
 

@@ -175,7 +175,8 @@ class Sampler:
             record = {**verdict.replay_json(), "proc_id": row["id"], "run": row["run_id"], "final": final,
                       "done": verdict.done, "failed": verdict.failed, "total": verdict.total,
                       "rate_samples_per_s": verdict.rate_samples_per_s, "rate_tokens_per_s": verdict.rate_tokens_per_s,
-                      "last_progress_at": verdict.last_progress_at, "deadline_s": verdict.deadline_s}
+                      "last_progress_at": verdict.last_progress_at, "deadline_s": verdict.deadline_s,
+                      "eta_note": verdict.eta_note}
             self.store.put(f"verdict:{stage}", record)
             self._condition_events(stage, row, obs)
             if not previous or previous.get("verdict") != verdict.verdict or previous.get("proc_id") != row["id"]:

@@ -43,6 +43,7 @@ class Verdict:
     rate_tokens_per_s: float | None = None
     last_progress_at: float | None = None
     deadline_s: float | None = None
+    eta_note: str | None = None  # why there is no ETA (not part of the replay contract)
 
     @property
     def stuck(self) -> bool:

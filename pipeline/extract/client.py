@@ -112,6 +112,7 @@ class Extractor:
         if removed:
             self.say(f"removed {removed} temp file(s) left by an interrupted run")
         manifest.set_meta({"dataset_sha256": data.sha256, "samples_total": len(data), "tokens_total": data.tokens_total,
+                           "tokens_sq_total": sum(n * n for n in data.tokens),
                            "model": p.model, "layers": p.layers, "layer_ids": json.dumps(p.layer_ids),
                            "layer_convention": LAYER_CONVENTION, "final_layer": "present" if p.final_present else "absent",
                            "final_slot": "post-norm" if p.final_present else "",
@@ -140,7 +141,8 @@ class Extractor:
             self.hidden_recorded = True
         self.data, self.plan, self.manifest = data, p, manifest
         self.progress = ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
-                                     tokens_total=data.tokens_total, tokens_left=sum(data.tokens[i] for i in todo))
+                                     tokens_total=data.tokens_total, tokens_left=sum(data.tokens[i] for i in todo),
+                                     tokens_sq_left=sum(data.tokens[i] ** 2 for i in todo))
         self.jobs: asyncio.Queue[_Job] = asyncio.Queue()
         self.answers: asyncio.Queue[tuple[_Job, bytes]] = asyncio.Queue(maxsize=2 * self.o.concurrency)
         self.remaining, self.inflight, self.storing, self.writing = len(todo), 0, 0, 0
