@@ -56,7 +56,8 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
               process_before_response=False)
 
     def controller_factory() -> Controller:
-        return Controller(workspace=ws)  # one sqlite connection per request thread
+        # one sqlite connection per request; the integrity check ran once when serve started
+        return Controller(workspace=ws, check_integrity=False)
 
     slash.register(app, controller_factory=controller_factory, ws=ws)
     buttons.register(app, controller_factory=controller_factory, ws=ws)

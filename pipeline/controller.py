@@ -35,9 +35,10 @@ class ServerHoldsGpusError(UserError):
 class Controller:
     """Verbs over one workspace: start, stop, status, logs."""
 
-    def __init__(self, *, workspace: Workspace, store: Store | None = None, host=None) -> None:
+    def __init__(self, *, workspace: Workspace, store: Store | None = None, host=None,
+                 check_integrity: bool = True) -> None:
         self.ws = workspace
-        self.store = store or Store(workspace.store_path)
+        self.store = store or Store(workspace.store_path, check_integrity=check_integrity)
         self.supervisor = Supervisor(workspace=workspace, store=self.store, host=host)
 
     @classmethod

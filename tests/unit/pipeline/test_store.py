@@ -65,3 +65,22 @@ def test_atomic_rolls_back(tmp_path):
         store.put("k", 1)
         raise RuntimeError
     assert store.get("k") is None
+
+
+def test_integrity_check_only_where_asked(tmp_path, monkeypatch):
+    import pipeline.store as store_mod
+
+    Store(tmp_path / "s.sqlite").close()
+    seen: list[str] = []
+    real = store_mod._connect
+
+    def traced(path):
+        conn = real(path)
+        conn.set_trace_callback(seen.append)
+        return conn
+
+    monkeypatch.setattr(store_mod, "_connect", traced)
+    Store(tmp_path / "s.sqlite", check_integrity=False).close()  # the Slack request path
+    assert not any("quick_check" in s for s in seen)
+    Store(tmp_path / "s.sqlite").close()  # serve's start, the CLI
+    assert any("quick_check" in s for s in seen)
