@@ -13,7 +13,7 @@ from slack_sdk.models.blocks import (
     SectionBlock,
 )
 
-from handlers.views import ago
+from handlers.views import ago, plain_times, slack_time
 from pipeline.handoff import CANCELLABLE, TRAINING
 
 SECTION_LIMIT = 3000
@@ -71,7 +71,7 @@ def _details(name: str, st: dict, now: float) -> list[str]:
         rates.append(f"{st['rate_tokens_per_s']:,.0f} tokens/s")
     if st.get("eta_s") is not None:
         rates.append(f"ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))}), "
-                     f"about {time.strftime('%H:%M', time.localtime(now + st['eta_s']))}")
+                     f"about {slack_time(now + st['eta_s'])}")
     if st.get("last_progress_at"):
         rates.append(f"last progress {ago(now - st['last_progress_at'])} ago")
     if rates:
@@ -156,4 +156,4 @@ def blocks_text(blocks: list, fallback: str = "") -> str:
             out.append("—" * 20)
         elif kind == "header":
             out.append((b.get("text") or {}).get("text", ""))
-    return "\n".join(x for x in out if x) or fallback
+    return plain_times("\n".join(x for x in out if x) or fallback)

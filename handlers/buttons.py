@@ -17,7 +17,7 @@ from handlers.blocks import (
     status_blocks,
     text_blocks,
 )
-from handlers.views import SLASH, autostart_text
+from handlers.views import SLASH, autostart_text, slack_time
 from pipeline.errors import UserError
 
 STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # the status post's buttons
@@ -59,7 +59,7 @@ def register(app, *, controller_factory, ws) -> None:
                     result = str(exc)
             ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
                             detail=result)
-            text = f"<@{user}> chose *{LABELS[action_id]}* at {time.strftime('%H:%M')}: {result}"
+            text = f"<@{user}> chose *{LABELS[action_id]}* at {slack_time(time.time())}: {result}"
             if action_id in STATUS_ACTIONS:  # the status post stays the status post, with the outcome in it
                 _, blocks = status_blocks(ctl.status(sample_if_unmonitored=False), version=ctl.state_version(),
                                           note=text)
@@ -134,9 +134,9 @@ def _act(ctl, action_id: str, action: dict, user: str) -> str:
         return f"kept running ({_describe(action)} not done)"
     if action_id == ACTION_SNOOZE:
         until = ctl.snooze(action.get("value") or "extract", by=f"slack:{user}")
-        return f"alerts about {action.get('value')} snoozed until {time.strftime('%H:%M', time.localtime(until))}"
+        return f"alerts about {action.get('value')} snoozed until {slack_time(until)}"
     if action_id == ACTION_LATER:
         r = ctl.remind("eta" if (ctl.store.get("verdict:extract") or {}).get("eta_s") else "1h", by=f"slack:{user}")
-        return f"reminder at {time.strftime('%H:%M', time.localtime(r['due_at']))}"
+        return f"reminder at {slack_time(r['due_at'])}"
     on = action_id == ACTION_AUTOSTART
     return autostart_text(on, ctl.autostart(on, by=f"slack:{user}"), cmd=SLASH)

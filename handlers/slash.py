@@ -106,7 +106,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         return status_blocks(status, version=ctl.state_version())
     if verb in ("stuck", "eta"):
         started = {n: st for n, st in status["stages"].items() if st["state"] != "not-started"}
-        lines = ([eta_line(n, st) for n, st in started.items()] if verb == "eta" else
+        lines = ([eta_line(n, st, slack=True) for n, st in started.items()] if verb == "eta" else
                  [f"*{n}*: {st['state']}\n{verdict_line(n, st).strip()}" for n, st in started.items()])
         text = "\n".join(lines) or "Nothing has been started."
         return text, text_blocks(text)

@@ -24,6 +24,19 @@ def clock_time(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
+def slack_time(t: float, token: str = "{time}") -> str:
+    """A time Slack renders in each reader's own time zone (`<!date^…>`), with a UTC fallback."""
+    fallback = time.strftime("%H:%M UTC" if token == "{time}" else "%Y-%m-%d %H:%M UTC", time.gmtime(t))
+    return f"<!date^{int(t)}^{token}|{fallback}>"
+
+
+def plain_times(text: str) -> str:
+    """`<!date^…|fallback>` as its fallback, for a terminal."""
+    import re
+
+    return re.sub(r"<!date\^\d+\^[^|>]*\|([^>]*)>", r"\1", text)
+
+
 def stage_line(name: str, st: dict) -> str:
     """One stage of `eagle3 status` as a line."""
     state = st["state"]
@@ -137,7 +150,7 @@ def verdict_line(stage: str, st: dict) -> str:
     return line + ("\n" + "\n".join(f"{'':<10} - {r}" for r in reasons) if reasons else "")
 
 
-def eta_line(stage: str, st: dict, *, now: float | None = None) -> str:
+def eta_line(stage: str, st: dict, *, now: float | None = None, slack: bool = False) -> str:
     """`/eagle3 eta`: progress, the ETA with its band and the wall-clock finish, or why there is none."""
     head = f"*{stage}*: {st.get('verdict') or st['state']}"
     if st.get("progress_pct") is not None:
@@ -147,7 +160,7 @@ def eta_line(stage: str, st: dict, *, now: float | None = None) -> str:
     if st.get("eta_s") is not None:
         finish = (now or time.time()) + st["eta_s"]
         return (f"{head}, ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))}), "
-                f"finishing around {clock_time(finish)}")
+                f"finishing around {slack_time(finish, '{date_short_pretty} {time}') if slack else clock_time(finish)}")
     if st.get("verdict") in ("done", "stopped", "dead"):
         return head
     why = st.get("eta_note") or "; ".join(st.get("reasons") or []) or "not enough progress observed yet"

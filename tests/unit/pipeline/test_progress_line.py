@@ -1,6 +1,7 @@
 """The extraction's own progress line shows the monitor's ETA (one estimator), early with a band."""
 
 import io
+import time
 
 from pipeline.extract.progress_line import ProgressLine
 
@@ -38,3 +39,17 @@ def test_eta_line_gives_the_band_and_the_finish_time():
     assert "finishing around" in line
     early = eta_line("extract", {**st, "eta_s": None, "reasons": ["last progress 3s ago"]})
     assert early.endswith("no ETA yet (last progress 3s ago)")
+
+
+def test_slack_times_render_in_the_readers_zone_and_plain_on_a_terminal():
+    from handlers.blocks import blocks_text
+    from handlers.views import eta_line, slack_time
+
+    t = 1_790_000_000
+    assert slack_time(t) == f"<!date^{t}^{{time}}|{time.strftime('%H:%M UTC', time.gmtime(t))}>"
+    st = {"state": "running", "verdict": "progressing", "progress_pct": 49.4, "done": 18424, "failed": 0,
+          "total": 37312, "eta_s": 3600.0, "eta_low_s": 3000.0, "eta_high_s": 4000.0}
+    line = eta_line("extract", st, now=t - 3600.0, slack=True)
+    assert f"finishing around <!date^{t}^{{date_short_pretty}} {{time}}|" in line
+    shown = blocks_text([{"type": "section", "text": {"type": "mrkdwn", "text": line}}])
+    assert "<!date" not in shown and time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)) in shown
