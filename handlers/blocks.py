@@ -65,8 +65,13 @@ def _details(name: str, st: dict, now: float) -> list[str]:
         lines.append(f"`{bar(st['progress_pct'])}` {st['progress_pct']:.1f} % ({processed:,} / {st['total']:,}), "
                      f"failed {failed:,} ({100 * failed / st['total']:.2g} %)")
     rates = []
+    prog = st.get("progress") if isinstance(st.get("progress"), dict) else {}
+    if name == "train":  # the trainer's own numbers: the loss, how far from the target, its speed
+        for key in ("loss", "kl"):
+            if isinstance(prog.get(key), (int, float)):
+                rates.append(f"{key} {prog[key]:.3f}")
     if st.get("rate_samples_per_s"):
-        rates.append(f"{st['rate_samples_per_s']:.2f} samples/s")
+        rates.append(f"{st['rate_samples_per_s']:.2f} {'steps' if name == 'train' else 'samples'}/s")
     if st.get("rate_tokens_per_s"):
         rates.append(f"{st['rate_tokens_per_s']:,.0f} tokens/s")
     if st.get("eta_s") is not None:

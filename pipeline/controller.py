@@ -226,7 +226,7 @@ class Controller:
         fields = {k: v.get(k) for k in keys}
         fields["observed_at"] = v.get("t")
         obs = self.store.latest_observation(stage) or {}
-        fields.update({k: obs.get(k) for k in ("gpus", "server", "disk")})
+        fields.update({k: obs.get(k) for k in ("gpus", "server", "disk", "progress")})
         return fields
 
     def state_version(self) -> str:
