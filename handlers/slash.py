@@ -11,6 +11,7 @@ from handlers.views import (
     ago,
     autostart_text,
     eta_line,
+    gpus_text,
     server_holds_gpus_text,
     train_guard_text,
     verdict_line,
@@ -112,9 +113,8 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         return text, text_blocks(text)
     if verb == "gpus":
         gpus = next((st.get("gpus") for st in status["stages"].values() if st.get("gpus")), None)
-        text = "GPUs: " + (", ".join(f"{g['index']}: {g['util']:.0f} %, {g['mem_used_mb']:.0f} MB"
-                                     for g in gpus if g.get("util") is not None) if gpus else "no reading yet")
-        return text, text_blocks(text)
+        text = gpus_text(gpus)
+        return text, text_blocks(f"```\n{text}\n```" if gpus else text)
     if verb == "logs":
         stage = args[0] if args else "extract"
         if stage not in STAGE_NAMES:

@@ -37,6 +37,22 @@ def plain_times(text: str) -> str:
     return re.sub(r"<!date\^\d+\^[^|>]*\|([^>]*)>", r"\1", text)
 
 
+def gpus_text(gpus: list[dict] | None, *, why: str | None = None) -> str:
+    """gpustat-like: one line per GPU — index, name, utilisation, memory, power, temperature, holder.
+    A reading NVML did not give is '?', never 0."""
+    if not gpus:
+        return f"GPUs: no reading yet{f' ({why})' if why else ''}"
+    q = lambda v, fmt: "?" if v is None else format(v, fmt)  # noqa: E731
+    lines = []
+    for g in gpus:
+        holder = ", ".join(g.get("holders") or []) or ("-" if g.get("pids") == [] else "?")
+        lines.append(f"[{g.get('index', '?')}] {(g.get('name') or 'GPU'):<22} | {q(g.get('util'), '3.0f'):>3} % | "
+                     f"{q(g.get('mem_used_mb'), ',.0f'):>7} / {q(g.get('mem_total_mb'), ',.0f')} MB | "
+                     f"{q(g.get('power_w'), '.0f')} / {q(g.get('power_limit_w'), '.0f')} W | "
+                     f"{q(g.get('temp_c'), '.0f')} °C | {holder}")
+    return "\n".join(lines)
+
+
 def stage_line(name: str, st: dict) -> str:
     """One stage of `eagle3 status` as a line."""
     state = st["state"]

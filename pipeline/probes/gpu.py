@@ -37,12 +37,20 @@ class RealNvml:
         except nv.NVMLError:
             out["util"] = float(nv.nvmlDeviceGetUtilizationRates().gpu)
             out["util_note"] = "instantaneous (sample buffer not supported)"
-        out["mem_used_mb"] = nv.nvmlDeviceGetMemoryInfo(h).used / 2**20
+        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        out["mem_used_mb"] = mem.used / 2**20
+        out["mem_total_mb"] = mem.total / 2**20
+        out["name"] = _maybe(lambda: _text(nv.nvmlDeviceGetName(h)), nv)
+        out["temp_c"] = _maybe(lambda: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)), nv)
         out["power_w"] = _maybe(lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0, nv)
         out["power_limit_w"] = _maybe(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, nv)
         out["energy_mj"] = _maybe(lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h), nv)
         out["pids"] = _maybe(lambda: [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)], nv) or []
         return out
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _maybe(fn, nv):
@@ -112,6 +120,7 @@ class GpuProbe:
         holders = sorted({pid_stage[p] for p in raw.get("pids", []) if p in pid_stage})
         return {"index": index, "util": raw.get("util"), "mem_used_mb": raw.get("mem_used_mb"),
                 "power_w": raw.get("power_w"), "power_limit_w": raw.get("power_limit_w"),
+                "name": raw.get("name"), "mem_total_mb": raw.get("mem_total_mb"), "temp_c": raw.get("temp_c"),
                 "energy_j_delta": None if energy is None or prev is None else (energy - prev) / 1000.0,
                 "holders": holders, "pids": raw.get("pids", [])}
 

@@ -14,3 +14,17 @@ def test_training_details_show_loss_kl_and_steps_per_second():
     assert "samples/s" not in text
     ex = "\n".join(_details("extract", {**st, "progress": {"unit": "samples"}}, now=1_790_000_000.0))
     assert "2.50 samples/s" in ex and "loss" not in ex
+
+
+def test_gpus_like_gpustat_with_unknowns_shown_as_unknown():
+    from handlers.views import gpus_text
+
+    text = gpus_text([
+        {"index": 0, "name": "NVIDIA H200", "util": 97.0, "mem_used_mb": 75000.0, "mem_total_mb": 143771.0,
+         "power_w": 610.0, "power_limit_w": 700.0, "temp_c": 61.0, "holders": ["extract"], "pids": [11]},
+        {"index": 1, "util": None, "mem_used_mb": 512.0, "power_w": None, "holders": [], "pids": []},
+    ])
+    first, second = text.splitlines()
+    assert first == "[0] NVIDIA H200            |  97 % |  75,000 / 143,771 MB | 610 / 700 W | 61 °C | extract"
+    assert "|   ? % |" in second and "? / ? W" in second and "? °C" in second and second.endswith("| -")
+    assert gpus_text(None, why="NVML unavailable") == "GPUs: no reading yet (NVML unavailable)"
