@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
     e.add_argument("--max-retries", type=int, default=3, help="retries of a sample with a bad answer (default 3)")
     e.add_argument("--mode", choices=("inline", "dump"), default="inline")
-    e.add_argument("--layers", type=int, help="layers per returned row (default: from /get_server_info)")
+    e.add_argument("--layers", type=int, help="layers per returned row (default: from /server_info)")
     e.add_argument("--target-topk", type=int, help="top-K target logprobs when the final layer is absent (default 20)")
     e.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     e.add_argument("--dump-field", default="hidden_states_path", help="dump mode: meta_info field naming the file")

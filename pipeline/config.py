@@ -71,7 +71,7 @@ class StageConfig(_Section):
 class ServerStage(StageConfig):
     """The SGLang server holding the target model."""
 
-    url: str = Field(default="http://127.0.0.1:30000", description="Base URL for /health_generate, /get_server_info, /metrics.")
+    url: str = Field(default="http://127.0.0.1:30000", description="Base URL for /health, /server_info, /metrics.")
     port: int = Field(default=30000, ge=1, le=65535, description="Port the server listens on (checked free after a stop).")
 
 

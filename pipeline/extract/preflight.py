@@ -1,4 +1,4 @@
-"""Preflight: read /get_server_info before the first sample and refuse a useless server."""
+"""Preflight: read /server_info before the first sample and refuse a useless server."""
 
 from __future__ import annotations
 
@@ -54,24 +54,28 @@ def plan(info: dict, *, layers: int | None, topk: int | None, longest: int) -> P
 
 
 def fetch_info(url: str, *, timeout_s: float = 30.0, wait_s: float = 0.0, say=None) -> dict:
-    """GET /get_server_info, waiting up to `wait_s` for a server that is still starting."""
+    """GET /server_info (0.5.23's name; /get_server_info on older servers), waiting up to `wait_s`
+    for a server that is still starting."""
     deadline = time.monotonic() + wait_s
+    base = url.rstrip("/")
     while True:
         try:
-            r = httpx.get(f"{url.rstrip('/')}/get_server_info", timeout=timeout_s)
+            r = httpx.get(f"{base}/server_info", timeout=timeout_s)
+            if r.status_code == 404:  # a server older than /server_info
+                r = httpx.get(f"{base}/get_server_info", timeout=timeout_s)
             r.raise_for_status()
             info = r.json()
             break
         except (httpx.TransportError, httpx.HTTPStatusError) as exc:
             if time.monotonic() >= deadline:
-                raise UserError(f"{url}: cannot read /get_server_info ({type(exc).__name__}: {exc}); "
+                raise UserError(f"{url}: cannot read /server_info ({type(exc).__name__}: {exc}); "
                                 "is the server up?") from None
             if say:
                 say(f"waiting for the server at {url} ({type(exc).__name__})")
                 say = None
             time.sleep(1.0)
         except ValueError:
-            raise UserError(f"{url}: /get_server_info did not return JSON; is this an SGLang server?") from None
+            raise UserError(f"{url}: /server_info did not return JSON; is this an SGLang server?") from None
     if not isinstance(info, dict):
-        raise UserError(f"{url}: /get_server_info did not return an object")
+        raise UserError(f"{url}: /server_info did not return an object")
     return info

@@ -6,24 +6,30 @@ incident it read 22,391 while the true sample index was 18,424.
 
 from __future__ import annotations
 
-import re
+import math
 import time
 
 import httpx
 
 from pipeline.probes import Reading, known, unknown
 
-_METRIC = re.compile(r"^(sglang:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
 INFO_REFRESH_S = 600.0
+INFO_PATHS = ("/server_info", "/get_server_info")  # 0.5.23's name first; the old one logs a warning per call
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sum each sglang:* metric over its label sets."""
+    """Sum each SGLang sample over its label sets, named `sglang:…` whichever prefix the server used
+    (`sglang:` and `sglang_` both occur). Raises ValueError on text that is not Prometheus' format."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line.strip())
-        if m and m.group(3) != "NaN":
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name.startswith("sglang_"):
+                name = "sglang:" + name[len("sglang_"):]
+            if name.startswith("sglang:") and not math.isnan(sample.value):
+                out[name] = out.get(name, 0.0) + float(sample.value)
     return out
 
 
@@ -41,7 +47,7 @@ class ServerProbe:
         """{healthy, health_status, running_reqs, queue_reqs, requests_total, version} or unknown."""
         value: dict = {}
         try:
-            r = self.client.get(f"{self.url}/health_generate")
+            r = self.client.get(f"{self.url}/health")  # liveness; /health_generate runs a generation
             value["healthy"] = r.status_code == 200
             value["health_status"] = r.status_code
         except httpx.TimeoutException:
@@ -55,13 +61,17 @@ class ServerProbe:
         return known(value, clock=self.clock)
 
     def info(self) -> dict | None:
-        """/get_server_info, cached for a few minutes."""
+        """/server_info (or the deprecated /get_server_info), cached for a few minutes."""
         if self.clock() - self._info_at > INFO_REFRESH_S:
-            try:
-                r = self.client.get(f"{self.url}/get_server_info")
-                self._info = r.json() if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                self._info = None
+            self._info = None
+            for path in INFO_PATHS:
+                try:
+                    r = self.client.get(f"{self.url}{path}")
+                    if r.status_code == 200 and isinstance(body := r.json(), dict):
+                        self._info = body
+                        break
+                except (httpx.HTTPError, ValueError):
+                    continue
             self._info_at = self.clock()
         return self._info
 
@@ -71,8 +81,11 @@ class ServerProbe:
         except httpx.HTTPError:
             return {}
         if r.status_code != 200:
-            return {}
-        m = parse_metrics(r.text)
+            return {"metrics_unknown": f"/metrics answered {r.status_code} (start SGLang with --enable-metrics)"}
+        try:
+            m = parse_metrics(r.text)
+        except ValueError as exc:
+            return {"metrics_unknown": f"/metrics is not in Prometheus' text format ({exc})"}
         pick = {"running_reqs": "sglang:num_running_reqs", "queue_reqs": "sglang:num_queue_reqs",
                 "requests_total": "sglang:num_requests_total"}
         return {k: m[v] for k, v in pick.items() if v in m}

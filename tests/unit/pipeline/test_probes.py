@@ -134,9 +134,13 @@ sglang:gen_throughput{model_name="m"} NaN
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     health = 200
+    metrics = METRICS
+    seen: list = []
 
     def do_GET(self):  # noqa: N802
-        body, code = {"/health_generate": (b"", _Handler.health), "/metrics": (METRICS.encode(), 200),
+        self.seen.append(self.path)
+        body, code = {"/health": (b"", _Handler.health), "/metrics": (_Handler.metrics.encode(), 200),
+                      # an older server: no /server_info, the deprecated name answers
                       "/get_server_info": (b'{"version": "0.5.23"}', 200)}.get(self.path, (b"", 404))
         self.send_response(code)
         self.end_headers()
@@ -153,13 +157,28 @@ def http_server():
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
     srv.server_close()
-    _Handler.health = 200
+    _Handler.health, _Handler.metrics, _Handler.seen = 200, METRICS, []
 
 
 def test_server_probe_reads_health_and_activity(http_server):
     r = ServerProbe(http_server).read()
     assert r.value == {"healthy": True, "health_status": 200, "running_reqs": 1.0, "queue_reqs": 0.0,
                        "requests_total": 22391.0, "version": "0.5.23"}
+
+
+def test_server_probe_asks_server_info_first_and_polls_health_not_a_generation(http_server):
+    ServerProbe(http_server).read()
+    assert "/health_generate" not in _Handler.seen and "/health" in _Handler.seen
+    assert _Handler.seen.index("/server_info") < _Handler.seen.index("/get_server_info")
+
+
+def test_metrics_with_either_prefix_and_an_unreadable_format(http_server):
+    _Handler.metrics = METRICS.replace("sglang:", "sglang_")
+    v = ServerProbe(http_server).read().value
+    assert v["running_reqs"] == 1.0 and v["requests_total"] == 22391.0
+    _Handler.metrics = "sglang:num_running_reqs{model_name=m 1.0\n"
+    v = ServerProbe(http_server).read().value
+    assert "running_reqs" not in v and v["metrics_unknown"].startswith("/metrics is not in Prometheus' text format")
 
 
 def test_server_503_is_unhealthy(http_server):
