@@ -59,6 +59,7 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
         # one sqlite connection per request; the integrity check ran once when serve started
         return Controller(workspace=ws, check_integrity=False)
 
+    _warm_authorization(app)
     slash.register(app, controller_factory=controller_factory, ws=ws)
     buttons.register(app, controller_factory=controller_factory, ws=ws)
 
@@ -67,6 +68,28 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
         logger.error("listener failed: %s: %s", type(error).__name__, error)
 
     return app
+
+
+def _warm_authorization(app: App) -> None:
+    """Bolt's single-workspace authorization calls `auth.test` on the first request and caches it: with
+    a slow Slack that call sits in front of the first ack (measured: 4 s in Socket Mode). Make it now,
+    in the background, so requests find it cached."""
+    from slack_bolt.middleware.authorization.single_team_authorization import (
+        SingleTeamAuthorization,
+    )
+
+    auth = next((m for m in app._middleware_list if isinstance(m, SingleTeamAuthorization)), None)  # noqa: SLF001
+    if auth is None or auth.auth_test_result:
+        return
+
+    def warm() -> None:
+        try:
+            auth.auth_test_result = auth.auth_test_result or app.client.auth_test()
+        except Exception as exc:  # noqa: BLE001 - the first request will try again; serve reports auth itself
+            logging.getLogger("eagle3.app").info("slack: auth.test at start failed (%s); the first request retries",
+                                                 type(exc).__name__)
+
+    threading.Thread(target=warm, name="eagle3-auth-warm", daemon=True).start()
 
 
 _OBJECTS = ("user", "channel", "team", "container", "message", "view", "state", "enterprise")

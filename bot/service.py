@@ -7,9 +7,11 @@ background, saying so in `eagle3 status`, while monitoring and the handoff go on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -22,6 +24,10 @@ DELIVERY_INTERVAL_S = 1.0
 DRAIN_S = 5.0  # at shutdown: how long to keep delivering what is due
 AUTH_RETRY_PASSES = 30  # an unreachable Slack: auth.test again after this many delivery passes
 RECONNECT_MAX_S = 60.0
+# slack_sdk calls a socket stale after more than 4 ping intervals without a pong, checked every
+# interval: 2 s replaces a connection that died without a word within about 11 s (Bolt's 10 s: ~55 s).
+PING_INTERVAL_S = 2.0
+REFRESH_GRACE_S = 5.0
 
 
 def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None = None,
@@ -236,7 +242,12 @@ class Inputs:
         app = build_app(ws=self.ws, token=token,
                         signing_secret=os.environ.get("SLACK_SIGNING_SECRET", "unused-in-socket-mode"),
                         api_url=os.environ.get("SLACK_API_URL"))
-        self.handler = SocketModeHandler(app, os.environ["SLACK_APP_TOKEN"])
+        self.handler = SocketModeHandler(app, os.environ["SLACK_APP_TOKEN"], ping_interval=PING_INTERVAL_S)
+        self.handler.client.on_message_listeners.append(self._on_message)
+        self.handler.client.on_close_listeners.append(self._on_close)
+        self._warned_connections = False
+        self._refresh_at = float("-inf")
+        self._session = None
         self.kind = "socket-mode"
         self._record("connecting", None)
         self.thread = threading.Thread(target=self._keep_connected, name="eagle3-socket-mode", daemon=True)
@@ -260,6 +271,64 @@ class Inputs:
                 self._record("retrying", error, retry_in_s=delay)
                 wait, delay, failing = delay, min(RECONNECT_MAX_S, delay * 2), True
             self.stopping.wait(wait)
+
+    def _on_message(self, message: str) -> None:
+        """Slack's `hello` says how many sockets the app has open: above 1, another host shares this app."""
+        if '"hello"' not in message and '"disconnect"' not in message:
+            return
+        try:
+            msg = json.loads(message)
+        except ValueError:
+            return
+        if not isinstance(msg, dict):
+            return
+        if msg.get("type") == "disconnect":  # Slack asked for a refresh: slack_sdk opens the new socket
+            self._refresh_at = time.monotonic()  # before it closes the old one, so the next hello says 2
+            return
+        if msg.get("type") == "hello":
+            self._note_session()
+        n = msg.get("num_connections") if msg.get("type") == "hello" else None
+        if not isinstance(n, int) or n <= 1 or self._warned_connections:
+            return
+        if time.monotonic() - self._refresh_at < REFRESH_GRACE_S:
+            return
+        self._warn_connections(n)
+
+    def _note_session(self) -> None:
+        """Each hello after the first is a reconnect: log it with its cause."""
+        current = getattr(self.handler.client, "current_session", None)
+        old, self._session = self._session, current
+        if old is None or old is current:
+            return
+        last = getattr(old, "last_ping_pong_time", None) or getattr(old, "_first_ping_time", None)
+        silent_s = time.time() - last if last else 0.0
+        if time.monotonic() - self._refresh_at < REFRESH_GRACE_S:
+            cause = "Slack asked for a refresh"
+        elif silent_s > 2 * PING_INTERVAL_S:
+            cause = f"the previous socket answered no ping for {silent_s:.0f} s"
+        else:
+            cause = "the previous socket closed"
+        log.info("slack: Socket Mode reconnected (%s)", cause)
+
+    def _warn_connections(self, n: int) -> None:
+        self._warned_connections = True
+        host = socket.gethostname()
+        reason = (f"{n} Socket Mode connections share this Slack app (this host: {host}, pid {os.getpid()}): "
+                  "Slack spreads commands over them at random, so another eagle3 serve may answer for this one. "
+                  "Give each host (or controller) its own Slack app")
+        log.warning("slack: %s", reason)
+        from pipeline.store import Store
+
+        store = Store(self.ws.store_path)
+        try:
+            store.add_event(kind="transport-warning", run_id=store.current_run(), data={"reason": reason})
+        finally:
+            store.close()
+
+    def _on_close(self, code: int, reason: str | None = None) -> None:
+        if not self.stopping.is_set():
+            log.info("slack: Socket Mode connection closed (code %s%s); reconnecting", code,
+                     f", {reason}" if reason else "")
 
     def _record(self, state: str, error: str | None, **extra) -> None:
         from pipeline.store import Store

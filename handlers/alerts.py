@@ -32,6 +32,8 @@ def event_message(event: dict, *, oncall: list[str], patterns: list[str] = ()) -
         return "handoff", f"auto-start: *{d['step']}* — {d['reason']}", "run"
     if kind in ("handoff-alert", "restart-limit", "condition-alert"):
         return "alert", f":rotating_light: {mention(oncall)} {d['reason']}", None
+    if kind == "transport-warning":
+        return "warning", f":warning: {d['reason']}", None
     if kind == "stage-restart":
         return "restart", f"{stage} restarted (attempt {d['attempt']} of {d['limit']}) after: {d['reason']}", "run"
     if kind == "reminder":

@@ -26,6 +26,7 @@ class FakeSlack:
         self.fail: dict[str, int] = {}
         self.script: dict[str, list[tuple[str, object]]] = {}
         self.delay_s = 0.0  # every answer waits this long first (a slow Slack)
+        self.answers: dict[str, dict] = {}  # extra fields of a method's answer (apps.connections.open: url)
         self.lock = threading.Lock()
         fake = self
 
@@ -56,7 +57,8 @@ class FakeSlack:
                     else:
                         fake.faults.append((method, fault[0], time.monotonic()))
                 if fault is None:
-                    return self._answer(200, {"ok": True, "channel": params.get("channel"), "ts": ts})
+                    return self._answer(200, {"ok": True, "channel": params.get("channel"), "ts": ts,
+                                              **fake.answers.get(method, {})})
                 kind, arg = fault
                 if kind == "429":
                     return self._answer(429, {"ok": False, "error": "ratelimited"}, {"Retry-After": str(arg)})
