@@ -210,11 +210,25 @@ class Store:
             yield json.loads(data)
 
     def thin_observations(self, *, now: float, keep_all_s: float = 86400.0, bucket_s: float = 60.0) -> int:
-        """Keep every observation of the last day; older ones one per stage per `bucket_s`."""
-        cur = self.db.execute(
-            "DELETE FROM observations WHERE t < ? AND id NOT IN (SELECT MIN(id) FROM observations WHERE t < ? "
-            "GROUP BY stage, CAST(t / ? AS INTEGER))", [now - keep_all_s, now - keep_all_s, bucket_s])
-        return cur.rowcount
+        """Keep every observation of the last day; older ones one per stage per `bucket_s`.
+
+        Incremental: each pass thins only what aged past the day since the last pass (kv
+        `thinned_until`, whole buckets, through the (stage, t) index), so its cost does not grow
+        with the store."""
+        hi = (now - keep_all_s) // bucket_s * bucket_s
+        lo = float(self.get("thinned_until", float("-inf")))
+        if hi <= lo:
+            return 0
+        removed = 0
+        with self.atomic():
+            for (stage,) in self.db.execute("SELECT DISTINCT stage FROM observations").fetchall():
+                cur = self.db.execute(
+                    "DELETE FROM observations WHERE stage = ? AND t >= ? AND t < ? AND id NOT IN ("
+                    "SELECT MIN(id) FROM observations WHERE stage = ? AND t >= ? AND t < ? "
+                    "GROUP BY CAST(t / ? AS INTEGER))", [stage, lo, hi, stage, lo, hi, bucket_s])
+                removed += cur.rowcount
+            self.put("thinned_until", hi)
+        return removed
 
     # --- outbox -------------------------------------------------------------------
     def enqueue(self, *, channel: str, kind: str, text: str, blocks: list | None = None,

@@ -84,3 +84,29 @@ def test_integrity_check_only_where_asked(tmp_path, monkeypatch):
     assert not any("quick_check" in s for s in seen)
     Store(tmp_path / "s.sqlite").close()  # serve's start, the CLI
     assert any("quick_check" in s for s in seen)
+
+
+def test_thinning_is_incremental_and_keeps_one_per_bucket(tmp_path):
+    store = Store(tmp_path / "s.sqlite")
+    t0, day = 1_790_000_000.0, 86400.0
+    ticks = [t0 + 10 * i for i in range(3 * 8640)]  # three days at 10 s, two stages
+    for stage in ("extract", "train"):
+        store.db["observations"].insert_all({"t": t, "stage": stage, "data": "{}"} for t in ticks)
+
+    def times(stage="extract"):
+        return [r[0] for r in store.db.execute("SELECT t FROM observations WHERE stage = ? ORDER BY t", [stage])]
+
+    def check(now):
+        cut = (now - day) // 60 * 60
+        old, recent = [t for t in times() if t < cut], [t for t in times() if t >= cut]
+        assert len(old) == len({int(t // 60) for t in ticks if t < cut})  # one per minute…
+        assert len({int(t // 60) for t in old}) == len(old)  # …and only one
+        assert recent == [t for t in ticks if t >= cut]  # the last day untouched
+
+    assert store.thin_observations(now=t0 + 2 * day) > 0
+    check(t0 + 2 * day)
+    assert store.thin_observations(now=t0 + 2 * day) == 0  # nothing new aged past the day: nothing done
+    assert store.thin_observations(now=t0 + 3 * day) > 0
+    check(t0 + 3 * day)
+    assert times("train") == times("extract")
+    store.close()
