@@ -61,7 +61,7 @@ class DrillWorkspace:
         from pipeline.demo_workspace import write_dataset, write_demo_workspace
 
         self.root, self.samples, self.real_trainer = root, samples, real_trainer
-        self.cfg = write_demo_workspace(root)
+        self.cfg = write_demo_workspace(root, steps=40)  # the handoff is drilled, not the draft's quality
         write_dataset(root / "data.jsonl", samples, seed=seed)
         text = self.cfg.read_text().replace("tick_s = 1\n", "tick_s = 0.5\n")
         if not real_trainer:

@@ -29,7 +29,8 @@ def demo_ws(tmp_path: Path, *, train_argv: list[str] | None = None, server_flags
     out = eagle3("init", "--demo", str(tmp_path / "ws"))
     assert out.returncode == 0, out.stderr
     cfg = tmp_path / "ws" / "eagle3.toml"
-    text = cfg.read_text()
+    # 40 steps of the real trainer: the handoff is tested here; the demo's own budget in test_demo
+    text = re.sub(r'"--steps", "\d+"', '"--steps", "40"', cfg.read_text())
     if train_argv is not None:
         text = re.sub(r"(\[stages\.train\]\nargv = )\[.*?\]\n", lambda m: m.group(1) + json.dumps(train_argv) + "\n",
                       text, flags=re.S)
@@ -90,6 +91,7 @@ def test_demo_workspace_hands_off_to_real_torchrun_exactly_once(tmp_path):
         for step in ("waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
                      "training-running", "training-done"):
             assert f"auto-start: *{step}*" in output
+        assert "draft for SGLang: " in output and "--speculative-draft-model-path" in output
     finally:
         cleanup(cfg)
 
