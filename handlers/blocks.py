@@ -70,6 +70,9 @@ def _details(name: str, st: dict, now: float) -> list[str]:
         for key in ("loss", "kl"):
             if isinstance(prog.get(key), (int, float)):
                 rates.append(f"{key} {prog[key]:.3f}")
+    if name == "train" and isinstance(prog.get("acc_by_depth"), list) and prog["acc_by_depth"]:
+        acc = "/".join("-" if a is None else f"{a:.2f}" for a in prog["acc_by_depth"])
+        rates.append(f"top-1 by depth {acc} (validation at step {prog.get('validated_at_step')})")
     if st.get("rate_samples_per_s"):
         rates.append(f"{st['rate_samples_per_s']:.2f} {'steps' if name == 'train' else 'samples'}/s")
     if st.get("rate_tokens_per_s"):

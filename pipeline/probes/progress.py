@@ -37,10 +37,25 @@ def read_train_progress(ckpt_dir: Path | None, *, clock=time.time) -> Reading:
         except ValueError:
             continue  # a line being written
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            return known({"done": rec["step"], "failed": 0, "total": rec.get("total_steps"), "unit": "steps",
-                          "loss": rec.get("loss"), "kl": rec.get("kl"), "tokens_per_s": rec.get("tokens_per_s"),
-                          "error": rec.get("error")}, clock=clock)
+            value = {"done": rec["step"], "failed": 0, "total": rec.get("total_steps"), "unit": "steps",
+                     "loss": rec.get("loss"), "kl": rec.get("kl"), "tokens_per_s": rec.get("tokens_per_s"),
+                     "error": rec.get("error")}
+            value.update(_last_validation(Path(ckpt_dir) / "validation.jsonl"))
+            return known(value, clock=clock)
     return unknown(f"{path}: no step logged yet", clock=clock)
+
+
+def _last_validation(path: Path) -> dict:
+    """The trainer's last validation: top-1 accuracy of each unrolled step (draft depth), and its step."""
+    for line in reversed(tail_lines(path, 3)):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        acc = rec.get("acc") if isinstance(rec, dict) else None
+        if isinstance(acc, list) and all(a is None or isinstance(a, (int, float)) for a in acc):
+            return {"acc_by_depth": acc, "validated_at_step": rec.get("step")}
+    return {}
 
 
 class LogProgress:

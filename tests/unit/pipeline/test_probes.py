@@ -286,3 +286,13 @@ def test_a_failed_stage_reports_the_last_line_of_its_log(tmp_path):
     assert read_process(row).value["last_line"].startswith("extract: No space left on device")
     assert "last_line" not in read_process({**row, "exit_code": 0}).value
     assert "last_line" not in read_process({**row, "stop_requested": 1}).value
+
+
+def test_train_progress_carries_the_last_validation(tmp_path):
+    from pipeline.probes.progress import read_train_progress
+
+    (tmp_path / "progress.jsonl").write_text('{"step": 5, "total_steps": 9, "loss": 2.0, "kl": 0.5, "tokens_per_s": 1}\n')
+    assert "acc_by_depth" not in read_train_progress(tmp_path).value
+    (tmp_path / "validation.jsonl").write_text('{"step": 4, "acc": [0.9, 0.8], "baseline_top1": 0.01}\n{"step": 5, "ac')
+    v = read_train_progress(tmp_path).value
+    assert v["acc_by_depth"] == [0.9, 0.8] and v["validated_at_step"] == 4 and v["done"] == 5
