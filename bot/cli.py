@@ -183,7 +183,7 @@ def cmd_serve(args) -> int:
         for name in ("apscheduler", "slack_bolt", "slack_sdk"):
             logging.getLogger(name).setLevel(logging.WARNING)
     return serve(load_workspace(find_config(args.config)), max_ticks=args.max_ticks,
-                 http_port=args.port if args.http else None, host=args.host)
+                 http_port=args.port if args.http else None, host=args.host, metrics_port=args.metrics_port)
 
 
 @command("diagnose", "verdicts: of the live workspace, or --replay a recorded observation trace")
@@ -329,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     p["serve"].add_argument("--http", action="store_true", help="serve Slack's HTTP events at /slack/events (signed)")
     p["serve"].add_argument("--port", type=int, default=3000, help="port for --http (default 3000; 0: any)")
     p["serve"].add_argument("--host", default="127.0.0.1", help="address for --http (default 127.0.0.1)")
+    p["serve"].add_argument("--metrics-port", type=int, default=None, metavar="P",
+                            help="serve Prometheus metrics at http://[metrics] host:P/metrics (0: any free port)")
     p["serve"].add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                             help="eagle3's own log level (default info); debug also shows the libraries' logs")
     p["diagnose"].add_argument("--replay", metavar="FILE", help="observation JSONL to replay ('-' for stdin)")

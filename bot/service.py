@@ -31,14 +31,16 @@ REFRESH_GRACE_S = 5.0
 
 
 def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None = None,
-          host: str = "127.0.0.1") -> int:
-    """Run until SIGTERM/SIGINT (or `max_ticks`); with `http_port`, also Slack's HTTP events."""
+          host: str = "127.0.0.1", metrics_port: int | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or `max_ticks`); with `http_port`, also Slack's HTTP events; with a
+    metrics port (the flag, or `[metrics] port`), Prometheus' /metrics."""
     from pipeline.store import Store
 
     Store(ws.store_path).close()  # an unusable store stops us here, with its one line, before any thread starts
     _refuse_placeholders(ws)
     with ServeLock(ws.state_dir / "serve.lock"):
-        return _serve(ws, max_ticks=max_ticks, http_port=http_port, host=host)
+        return _serve(ws, max_ticks=max_ticks, http_port=http_port, host=host,
+                      metrics_port=metrics_port if metrics_port is not None else ws.config.metrics.port)
 
 
 def _refuse_placeholders(ws: Workspace) -> None:
@@ -55,7 +57,8 @@ def _refuse_placeholders(ws: Workspace) -> None:
         print(f"eagle3 serve: warning: {line}", flush=True)
 
 
-def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host: str) -> int:
+def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host: str,
+           metrics_port: int | None = None) -> int:
     notifier, posting = _notifier(ws)
     monitor = Monitor(ws=ws)
     delivery = Delivery(ws=ws, notifier=notifier)
@@ -64,6 +67,17 @@ def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host:
         inputs.start_http(host, http_port)
     elif os.environ.get("SLACK_APP_TOKEN"):
         inputs.start_socket_mode()
+    metrics = None
+    if metrics_port is not None:
+        from bot.metrics import serve_metrics
+
+        try:
+            metrics = serve_metrics(ws, host=ws.config.metrics.host, port=metrics_port)
+        except OSError as exc:
+            inputs.close()
+            from pipeline.errors import UserError
+            raise UserError(f"metrics: cannot listen on {ws.config.metrics.host}:{metrics_port} ({exc.strerror}); "
+                            "choose another --metrics-port") from None
     scheduler = _schedule_status_posts(ws, delivery)
 
     def stop(_signum, _frame):
@@ -74,11 +88,16 @@ def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host:
         signal.signal(signal.SIGINT, stop)
     print(f"eagle3 serve: monitoring {ws.path} every {ws.config.monitor.tick_s:g} s; {posting}; "
           f"commands and buttons: {inputs.describe()}; Ctrl-C to stop", flush=True)
+    if metrics:
+        print(f"eagle3 serve: Prometheus metrics on http://{ws.config.metrics.host}:{metrics.server_address[1]}"
+              "/metrics", flush=True)
     delivery.start()
     try:
         monitor.run(max_ticks=max_ticks)
     finally:
         inputs.close()
+        if metrics:
+            metrics.shutdown()
         if scheduler:
             scheduler.shutdown(wait=False)
         delivery.close()

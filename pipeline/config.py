@@ -155,6 +155,13 @@ class HandoffConfig(_Section):
     autostart: bool = Field(default=False, description="Arm auto-start for every new run (default: each run starts off).")
 
 
+class MetricsConfig(_Section):
+    """Prometheus' /metrics, served by `eagle3 serve`."""
+
+    port: int | None = Field(default=None, ge=0, le=65535, description="Port for /metrics (unset: not served; 0: any).")
+    host: str = Field(default="127.0.0.1", description="Address /metrics listens on.")
+
+
 class StateConfig(_Section):
     """Where eagle3 keeps its own state."""
 
@@ -171,6 +178,7 @@ class Config(_Section):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Monitoring settings.")
     handoff: HandoffConfig = Field(default_factory=HandoffConfig, description="Handoff settings.")
     state: StateConfig = Field(default_factory=StateConfig, description="State settings.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics.")
 
 
 class Workspace:

@@ -1,0 +1,60 @@
+"""`serve --metrics-port`: a scrape parses with prometheus_client's parser and says what the store says."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bot.metrics import serve_metrics
+from pipeline.config import load_workspace
+from pipeline.controller import Controller
+from tests.conftest import eagle3, fixture_argv, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    text = httpx.get(url, timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_a_scrape_has_the_values_the_store_says(tmp_path):
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(f'[stages.extract]\nout = "out"\n'
+                   f'argv = {json.dumps(fixture_argv("fake_extract.py", str(tmp_path / "out"), "40", "0"))}\n'
+                   f'[stages.train]\nout = "ckpt"\nargv = {json.dumps(fixture_argv("sleeper.py"))}\n')
+    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+    wait_for(lambda: json.loads(eagle3("status", "--json", "--config", str(cfg)).stdout)["stages"]["extract"]
+             .get("verdict") in ("dead", "done"), what="the stand-in extraction to end")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "progress.jsonl").write_text('{"step": 3, "total_steps": 10, "loss": 2.5, "kl": 0.25}\n')
+    assert eagle3("start", "train", "--force", "--config", str(cfg)).returncode == 0
+    ws = load_workspace(cfg)
+    ctl = Controller(workspace=ws)
+    server = serve_metrics(ws, host="127.0.0.1", port=0)
+    try:
+        wait_for(lambda: ctl.status()["stages"]["train"].get("progress"), what="a training reading")
+        st = ctl.status(sample_if_unmonitored=False)
+        m = scrape(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+        ex, tr = st["stages"]["extract"], st["stages"]["train"]
+        assert m[("eagle3_stage_progress_ratio", (("stage", "extract"),))] == pytest.approx(ex["progress_pct"] / 100)
+        assert m[("eagle3_stage_verdict", (("stage", "extract"), ("verdict", ex["verdict"])))] == 1.0
+        assert sum(v for (name, labels), v in m.items()
+                   if name == "eagle3_stage_verdict" and ("stage", "extract") in labels) == 1.0
+        assert m[("eagle3_stage_up", (("stage", "extract"),))] == 0.0
+        assert m[("eagle3_stage_up", (("stage", "train"),))] == (1.0 if tr["state"] == "running" else 0.0)
+        assert m[("eagle3_train_loss", ())] == 2.5 and m[("eagle3_train_kl", ())] == 0.25
+        assert m[("eagle3_slack_outbox_pending", ())] == float(st["outbox"]["pending"])
+        assert m[("eagle3_handoff_step", (("step", "off"),))] == 1.0
+        # a stage never started has no progress sample: unknown is absent, never a 0
+        assert not any(name == "eagle3_stage_progress_ratio" and ("stage", "server") in labels for name, labels in m)
+        if ex.get("last_progress_at"):
+            assert m[("eagle3_stage_last_progress_timestamp_seconds", (("stage", "extract"),))] == ex["last_progress_at"]
+    finally:
+        server.shutdown()
+        ctl.close()
+        eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
