@@ -278,6 +278,25 @@ def cmd_train(args) -> int:
     return train_main(args.train_args)
 
 
+@command("chart", "draw a stage's run as a PNG: progress with the ETA band, rates, loss, GPUs (UTC)")
+def cmd_chart(args) -> int:
+    from pipeline.charts import render
+    ctl = _controller(args)
+    try:
+        run = args.run or ctl.store.latest_run()
+        obs = list(ctl.store.observations(stage=args.stage, run=run))
+        events = [e for e in ctl.store.events() if e.get("stage") == args.stage and (not run or e.get("run_id") == run)]
+    finally:
+        ctl.close()
+    if not obs:
+        raise UserError(f"chart: no observations of {args.stage}" + (f" in run {run}" if run else "") +
+                        "; is `eagle3 serve` running?")
+    out = render(obs, stage=args.stage, out=Path(args.out), events=events,
+                 title=f"eagle3 — {args.stage}" + (f", run {run}" if run else ""))
+    print(f"wrote {out} ({len(obs)} observations)")
+    return 0
+
+
 @command("export", "write a training checkpoint as SGLang's EAGLE-3 draft directory (config.json + model.safetensors)")
 def cmd_export(args) -> int:
     from pipeline.export import export_checkpoint, launch_line
@@ -358,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     p["train"].add_argument("train_args", nargs=argparse.REMAINDER, help="--data OUT --out CKPT --steps N …")
     p["demo"].add_argument("--slack-channel", metavar="C…", help="post to this Slack channel as well "
                            "(needs SLACK_BOT_TOKEN; default: the console transport)")
+    c = p["chart"]
+    c.add_argument("stage", choices=STAGE_NAMES)
+    c.add_argument("--run", help="run id (default: the current run)")
+    c.add_argument("--out", required=True, help="PNG file to write")
     x = p["export"]
     x.add_argument("checkpoint", help="a training --out directory (its latest checkpoint) or checkpoints/step_N")
     x.add_argument("--out", required=True, help="directory to write (replaced atomically)")

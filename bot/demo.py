@@ -136,7 +136,28 @@ def _summary(root: Path, ws, started: float) -> None:
     _say("  handoff after extraction completed: " + ", ".join(
         f"{name} +{t - completion:.1f} s" for name, t in marks if t))
     _say(f"  training kl: {lines[0]['kl']:.2f} at step 1 → {lines[-1]['kl']:.3f} at step {lines[-1]['step']}")
+    charts = _charts(root, ws)
+    if charts:
+        _say("  charts: " + ", ".join(str(c) for c in charts))
     _say(f"  whole demo so far: {time.time() - started:.0f} s")
+
+
+def _charts(root: Path, ws) -> list[Path]:
+    """The run drawn from the store, as `eagle3 chart` draws it."""
+    from pipeline.charts import render
+
+    ctl = Controller(workspace=ws)
+    try:
+        run = ctl.store.latest_run()
+        out = []
+        for stage in ("extract", "train"):
+            obs = list(ctl.store.observations(stage=stage, run=run))
+            if obs:
+                out.append(render(obs, stage=stage, out=root / "charts" / f"{stage}.png",
+                                  title=f"eagle3 demo — {stage}, run {run}"))
+        return out
+    finally:
+        ctl.close()
 
 
 def _evaluate(root: Path) -> bool:

@@ -160,6 +160,11 @@ class Store:
         row = self.db.execute("SELECT id FROM runs WHERE closed_at IS NULL ORDER BY opened_at DESC LIMIT 1").fetchone()
         return row[0] if row else None
 
+    def latest_run(self) -> str | None:
+        """The open run's id, or else the most recent closed one."""
+        row = self.db.execute("SELECT id FROM runs ORDER BY closed_at IS NULL DESC, opened_at DESC LIMIT 1").fetchone()
+        return row[0] if row else None
+
     def close_run(self, run_id: str, *, reason: str) -> None:
         """Close a run (training ended, or everything stopped)."""
         self.db.execute("UPDATE runs SET closed_at = ?, close_reason = ? WHERE id = ? AND closed_at IS NULL",
@@ -199,9 +204,12 @@ class Store:
         row = self.db.execute("SELECT data FROM observations WHERE stage = ? ORDER BY t DESC LIMIT 1", [stage]).fetchone()
         return json.loads(row[0]) if row else None
 
-    def observations(self, *, stage: str | None = None, since: float | None = None) -> Iterator[dict]:
-        """Observations in time order, optionally of one stage and since a time."""
+    def observations(self, *, stage: str | None = None, since: float | None = None,
+                     run: str | None = None) -> Iterator[dict]:
+        """Observations in time order, optionally of one stage, one run, and since a time."""
         where, args = ["1"], []
+        if run:
+            where, args = where + ["run_id = ?"], args + [run]
         if stage:
             where, args = where + ["stage = ?"], args + [stage]
         if since is not None:

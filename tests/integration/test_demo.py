@@ -51,7 +51,7 @@ def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_runnin
     assert not left_running(ws)
     for line in ("refusing to start training: extraction is", "posting to Slack channel C1", "summary",
                  "samples: 300 extracted, 0 failed", "handoff after extraction completed: server stopped +",
-                 "training kl:", "draft for SGLang:", "--speculative-algorithm EAGLE3", "τ: draft ",
+                 "training kl:", "draft for SGLang:", "--speculative-algorithm EAGLE3", "τ: draft ", "charts: ",
                  "nothing left running."):
         assert line in out, out
     # issue 13's bar, with the demo's own training budget: the export loads under SGLang's rules, and
@@ -62,6 +62,8 @@ def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_runnin
     assert res["depth"] == 5 and res["prompts_measured"] >= 20
     assert res["tau"] >= res["tau_bigram"] + 0.5, res
     assert res["tau"] >= res["tau_no_aux"] + 0.3, res
+    for stage in ("extract", "train"):
+        assert (Path(ws) / "charts" / f"{stage}.png").read_bytes()[:4] == b"\x89PNG"
     train_s = int(re.search(r"time per stage: .*train (\d+) s", out).group(1))
     assert train_s < 180, f"the demo's training budget is under 3 minutes; it took {train_s} s"
     assert "Traceback" not in out and "xoxb-demo" not in out
