@@ -17,7 +17,7 @@ from slack_sdk import WebClient
 from slack_sdk.http_retry.builtin_handlers import RateLimitErrorRetryHandler
 from slack_sdk.signature import SignatureVerifier
 
-from handlers import buttons, slash
+from handlers import buttons, home, slash
 from pipeline.config import Workspace
 from pipeline.controller import Controller
 
@@ -62,6 +62,7 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
     _warm_authorization(app)
     slash.register(app, controller_factory=controller_factory, ws=ws)
     buttons.register(app, controller_factory=controller_factory, ws=ws)
+    home.register(app, controller_factory=controller_factory)
 
     @app.error
     def on_error(error, body, logger):  # a listener bug: logged (no tokens), never shown as a traceback

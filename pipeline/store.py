@@ -282,6 +282,13 @@ class Store:
             {"t": self.clock(), "run_id": run_id, "stage": stage, "kind": kind, "data": json.dumps(data or {})}
         ).last_pk
 
+    def recent_events(self, limit: int) -> list[dict]:
+        """The newest `limit` events, oldest first, with data decoded."""
+        rows = self.db.execute("SELECT * FROM events ORDER BY id DESC LIMIT ?", [limit])
+        cols = [c[0] for c in rows.description]
+        out = [dict(zip(cols, r, strict=True)) for r in rows.fetchall()]
+        return [dict(r, data=json.loads(r["data"])) for r in reversed(out)]
+
     def events(self, *, after_id: int = 0, kind: str | None = None) -> list[dict]:
         """Events after an id, oldest first, with data decoded."""
         where, args = "id > ?", [after_id]

@@ -131,6 +131,14 @@ class FakeSocketMode:
         self.live()[-1].send(0x1, json.dumps({"envelope_id": envelope_id, "type": "slash_commands",
                                               "accepts_response_payload": True, "payload": payload}).encode())
 
+    def send_event(self, envelope_id: str, event: dict) -> None:
+        """An Events API envelope (e.g. app_home_opened) on the newest live connection."""
+        payload = {"token": "x", "team_id": "T1", "api_app_id": "A0TEST", "type": "event_callback",
+                   "event_id": f"Ev{envelope_id}", "event_time": int(time.time()), "event": event}
+        self.sent_at[envelope_id] = time.monotonic()
+        self.live()[-1].send(0x1, json.dumps({"envelope_id": envelope_id, "type": "events_api",
+                                              "accepts_response_payload": False, "payload": payload}).encode())
+
     def go_silent(self) -> None:
         """The open connections stop answering pings (and stay open): dead without a word."""
         for c in self.conns:

@@ -77,3 +77,24 @@ def test_a_socket_that_dies_without_a_word_is_replaced_within_15_s_and_two_hosts
     reason = warned()[0]["data"]["reason"]
     assert reason.startswith("2 Socket Mode connections share this Slack app (this host: ")
     assert sum("share this Slack app" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_app_home_opened_publishes_the_home_tab_for_that_user(socket_mode):
+    fake, sock, ws = socket_mode["fake"], socket_mode["sock"], socket_mode["ws"]
+    store = Store(ws.store_path)
+    try:
+        store.add_event(kind="handoff", run_id=store.open_run(), data={"step": "armed", "reason": "armed by test"})
+    finally:
+        store.close()
+    sock.send_event("e-home", {"type": "app_home_opened", "user": "UHOME", "channel": "D1", "tab": "home",
+                               "event_ts": "1790000000.000100"})
+    wait_for(lambda: fake.of("views.publish"), timeout=10, what="views.publish")
+    time.sleep(0.5)  # nothing else may follow
+    (call,) = fake.of("views.publish")
+    assert call["user_id"] == "UHOME"
+    view = json.loads(call["view"]) if isinstance(call["view"], str) else call["view"]
+    assert view["type"] == "home"
+    text = json.dumps(view["blocks"])
+    assert "*Run " in text and "Last events" in text and "armed by test" in text
+    assert '"actions"' not in text  # the status post's buttons act on a channel message: not in Home
+    assert sock.acks["e-home"][0] - sock.sent_at["e-home"] < 1.0

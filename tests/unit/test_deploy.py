@@ -106,4 +106,6 @@ def test_slack_manifest():
     assert sorted(m["oauth_config"]["scopes"]["bot"]) == ["chat:write", "commands"]
     assert m["settings"]["interactivity"]["is_enabled"] is True
     assert m["settings"]["socket_mode_enabled"] is True
+    assert m["settings"]["event_subscriptions"]["bot_events"] == ["app_home_opened"]
+    assert m["features"]["app_home"]["home_tab_enabled"] is True
     assert m["display_information"]["name"] and m["features"]["bot_user"]["display_name"]

@@ -1,0 +1,46 @@
+"""App Home: on `app_home_opened` the Home tab shows the run's status and its last five events."""
+
+from __future__ import annotations
+
+import logging
+
+from handlers.alerts import event_message
+from handlers.blocks import status_blocks
+from handlers.views import slack_time
+
+log = logging.getLogger("eagle3.home")
+RECENT = 5
+
+
+def home_view(status: dict, *, version: str, events: list[dict]) -> dict:
+    """The Home tab: the status post's blocks (without its buttons: they act on a channel message)
+    and the last events worth a message, newest first."""
+    _, blocks = status_blocks(status, version=version)
+    blocks = [b for b in blocks if b.get("type") != "actions"]
+    lines = []
+    for e in reversed(events):
+        msg = event_message(e, oncall=[])
+        if msg:
+            lines.append(f"{slack_time(e['t'], '{date_short_pretty} {time}')} — {msg[1]}")
+        if len(lines) == RECENT:
+            break
+    blocks.append({"type": "divider"})
+    blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": "*Last events*\n" + (
+        "\n".join(lines) if lines else "none yet")[:2900]}})
+    return {"type": "home", "blocks": blocks}
+
+
+def register(app, *, controller_factory) -> None:
+    """Attach the app_home_opened listener (Bolt acks events itself, before the listener runs)."""
+
+    @app.event("app_home_opened")
+    def opened(event, client):
+        if event.get("tab", "home") != "home" or not event.get("user"):
+            return
+        ctl = controller_factory()
+        try:
+            status = ctl.status(sample_if_unmonitored=False)
+            view = home_view(status, version=ctl.state_version(), events=ctl.store.recent_events(50))
+        finally:
+            ctl.close()
+        client.views_publish(user_id=event["user"], view=view)
