@@ -56,6 +56,8 @@ def run(*, full: bool = True) -> list[str]:
         slack = _slack_requests({1000: small.ws, big_n: big.ws})
         small.close()
         big.close()
+        s_store.close()
+        b_store.close()
     lines = ["## Status path (issue 3)", "",
              "`Controller.status()` (store reads and stage verification; no probe, no NVML, no network), 1,000 calls "
              "on each store, alternating between the two stores in one run.", "",

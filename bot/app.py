@@ -55,9 +55,17 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
     app = App(client=slack_client(token, api_url), signing_secret=signing_secret, token_verification_enabled=False,
               process_before_response=False)
 
+    local = threading.local()
+
     def controller_factory() -> Controller:
-        # one sqlite connection per request; the integrity check ran once when serve started
-        return Controller(workspace=ws, check_integrity=False)
+        # Listeners run in Bolt's bounded pool: each of its threads keeps one sqlite connection, opened
+        # without the integrity check (serve ran it once at start), so a request opens nothing.
+        store = getattr(local, "store", None)
+        if store is None:
+            from pipeline.store import Store
+
+            store = local.store = Store(ws.store_path, check_integrity=False)
+        return Controller(workspace=ws, store=store)
 
     _warm_authorization(app)
     slash.register(app, controller_factory=controller_factory, ws=ws)

@@ -38,6 +38,7 @@ class Controller:
     def __init__(self, *, workspace: Workspace, store: Store | None = None, host=None,
                  check_integrity: bool = True) -> None:
         self.ws = workspace
+        self._owns_store = store is None  # a store handed in belongs to the caller, who closes it
         self.store = store or Store(workspace.store_path, check_integrity=check_integrity)
         self.supervisor = Supervisor(workspace=workspace, store=self.store, host=host)
 
@@ -47,8 +48,9 @@ class Controller:
         return cls(workspace=load_workspace(find_config(config)))
 
     def close(self) -> None:
-        """Release the store."""
-        self.store.close()
+        """Release the store (if this controller opened it)."""
+        if self._owns_store:
+            self.store.close()
 
     def _check_stage(self, stage: str) -> None:
         if stage not in STAGE_NAMES:
