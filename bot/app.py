@@ -125,6 +125,9 @@ def _malformed(body: bytes) -> str | None:
     actions = data.get("actions")
     if actions is not None and not (isinstance(actions, list) and all(isinstance(a, dict) for a in actions)):
         return "payload.actions must be a list of objects"
+    if data.get("type") == "block_actions" and not (
+            actions and all(isinstance(a.get("action_id"), str) for a in actions)):
+        return "payload.actions must name an action_id each"  # Bolt indexes actions[0]["action_id"]
     return None
 
 

@@ -122,6 +122,16 @@ def test_block_actions_never_crash(app_env, payload):
     assert_clean(app_env, code, out)
 
 
+@pytest.mark.parametrize("actions", [[], [{}], [{"action_id": 5}]])
+def test_block_actions_without_an_action_id_get_400(app_env, actions):
+    # found by the fuzzer in CI: Bolt indexes actions[0]["action_id"] and answered 500 / a failed listener
+    payload = {"type": "block_actions", "user": {"id": "UOK"}, "channel": {"id": "C1"}, "actions": actions,
+               "container": {"message_ts": "", "channel_id": "C1"}, "response_url": app_env["fake"].url + "/respond/b"}
+    code, out = post(app_env, urlencode({"payload": json.dumps(payload)}))
+    assert code == 400
+    assert_clean(app_env, code, out)
+
+
 @FUZZ
 @given(raw=st.one_of(st.text(max_size=200), st.binary(max_size=200).map(lambda b: b.decode("latin-1"))))
 def test_any_signed_body_gets_an_answer(app_env, raw):
