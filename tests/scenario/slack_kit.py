@@ -21,17 +21,23 @@ from tests.scenario.fake_slack import FakeSlack
 SECRET = "test-signing-secret"
 
 
-@contextmanager
-def slack_env(tmp_path, *extract_args: str, extra: str = ""):
-    """A workspace whose stand-in extraction ran (fake_extract.py OUT TOTAL 0 [EXIT_AT]) to its end,
-    the app on port 0 and a fake Slack Web API; everything is stopped afterwards."""
+def extracted_workspace(tmp_path, *extract_args: str, extra: str = "", train_extra: str = ""):
+    """A workspace whose stand-in extraction ran (fake_extract.py OUT TOTAL 0 [EXIT_AT]) to its end;
+    training is a sleeper. Returns the config's path."""
     cfg = tmp_path / "eagle3.toml"
     cfg.write_text(f'[slack]\nallowed_user_ids = ["UOK"]\n{extra}[stages.extract]\nout = "out"\n'
                    f'argv = {json.dumps(fixture_argv("fake_extract.py", str(tmp_path / "out"), *extract_args))}\n'
-                   f'[stages.train]\nargv = {json.dumps(fixture_argv("sleeper.py"))}\n')
+                   f'[stages.train]\n{train_extra}argv = {json.dumps(fixture_argv("sleeper.py"))}\n')
     assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
     wait_for(lambda: json.loads(eagle3("status", "--json", "--config", str(cfg)).stdout)["stages"]["extract"]
              .get("verdict") in ("dead", "done"), what="the stand-in extraction to end")
+    return cfg
+
+
+@contextmanager
+def slack_env(tmp_path, *extract_args: str, extra: str = ""):
+    """`extracted_workspace`, the app on port 0 and a fake Slack Web API; everything is stopped afterwards."""
+    cfg = extracted_workspace(tmp_path, *extract_args, extra=extra)
     fake = FakeSlack()
     app = build_app(ws=load_workspace(cfg), token="xoxb-test", signing_secret=SECRET, api_url=fake.url + "/api/")
     server = serve_http(app, signing_secret=SECRET, port=0)

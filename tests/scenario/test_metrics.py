@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bot.metrics import serve_metrics
 from pipeline.config import load_workspace
 from pipeline.controller import Controller
-from tests.conftest import eagle3, fixture_argv, wait_for
+from tests.conftest import eagle3, wait_for
+from tests.scenario.slack_kit import extracted_workspace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,13 +22,7 @@ def scrape(url: str) -> dict[tuple, float]:
 
 
 def test_a_scrape_has_the_values_the_store_says(tmp_path):
-    cfg = tmp_path / "eagle3.toml"
-    cfg.write_text(f'[stages.extract]\nout = "out"\n'
-                   f'argv = {json.dumps(fixture_argv("fake_extract.py", str(tmp_path / "out"), "40", "0"))}\n'
-                   f'[stages.train]\nout = "ckpt"\nargv = {json.dumps(fixture_argv("sleeper.py"))}\n')
-    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
-    wait_for(lambda: json.loads(eagle3("status", "--json", "--config", str(cfg)).stdout)["stages"]["extract"]
-             .get("verdict") in ("dead", "done"), what="the stand-in extraction to end")
+    cfg = extracted_workspace(tmp_path, "40", "0", train_extra='out = "ckpt"\n')
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "progress.jsonl").write_text('{"step": 3, "total_steps": 10, "loss": 2.5, "kl": 0.25}\n')
     assert eagle3("start", "train", "--force", "--config", str(cfg)).returncode == 0
