@@ -21,7 +21,7 @@ from pipeline.demo_workspace import TRAIN_STEPS
 
 def run(*, full: bool = True) -> list[str]:
     from pipeline.evaldraft import evaluate
-    from tests.toy import ToyServer
+    from pipeline.toy_launch import ToyServer
 
     steps = TRAIN_STEPS if full else 120
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
