@@ -185,6 +185,7 @@ class EtaEstimator:
     EARLY_BAND_RATIO = 3.0
     SPANS_PER_RUN = 60.0
     SPAN_MIN_S, SPAN_MAX_S = 20.0, 300.0
+    EXTRAPOLATION_LIMIT = 3.5  # the prompts left may be this much longer than the longest span's
 
     def __init__(self, *, short_half_life_s: float = 1800.0, long_half_life_s: float = 7200.0) -> None:
         self.short = CostModel(half_life_s=short_half_life_s)
@@ -193,6 +194,7 @@ class EtaEstimator:
         self.first_t: float | None = None
         self.why: str | None = None  # why the last estimate was withheld
         self._open: list | None = None  # [dt, samples, tokens, tokens_sq] not yet closed into a span
+        self.widest = 0.0  # the longest span's typical prompt (√(Σtokens²/samples), or tokens/samples)
 
     def add(self, *, t: float, dt: float, samples: float, tokens: float | None, tokens_sq: float | None = None) -> None:
         """Feed one interval between progress events."""
@@ -216,6 +218,10 @@ class EtaEstimator:
             self.short.add(t=t, dt=o[0], samples=o[1], tokens=k, tokens_sq=q)
             self.long.add(t=t, dt=o[0], samples=o[1], tokens=k, tokens_sq=q)
             self.intervals += 1
+            if self._has[1]:
+                self.widest = max(self.widest, math.sqrt(o[3] / o[1]))
+            elif self._has[0]:
+                self.widest = max(self.widest, o[2] / o[1])
             self._open = None
 
     def estimate(self, *, samples_left: float, tokens_left: float | None,
@@ -233,6 +239,15 @@ class EtaEstimator:
             self.why = "the cost fit has no term for the work left (token counts missing)"
             return None
         eta = 0.5 * short + 0.5 * long
+        # A fit extrapolated far past the longest prompts seen is a guess, and its standard error
+        # (from the same fit) does not know it: seen only 700-token prompts, 3,000-token ones to come.
+        ahead = (math.sqrt(tokens_sq_left / samples_left) if tokens_sq_left is not None
+                 else (tokens_left / samples_left if tokens_left is not None else None))
+        if ahead is not None and self.widest > 0 and ahead > self.EXTRAPOLATION_LIMIT * self.widest:
+            self.why = (f"withheld: the prompts left are {ahead / self.widest:.1f}× longer than any seen so far "
+                        f"(typical {ahead:,.0f} tokens against {self.widest:,.0f}); the cost fit would be a guess "
+                        f"until the work reaches longer prompts")
+            return None
         # the band: the two memories' spread, and two standard errors of the long fit's prediction
         sd = self.long.predict_sd(samples=samples_left, tokens=tokens_left, tokens_sq=tokens_sq_left) or 0.0
         low = min(short, long, eta - 2 * sd) / 1.05

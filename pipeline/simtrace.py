@@ -61,6 +61,7 @@ class Trace:
     observations: list[dict]
     finish_s: float  # when the last sample finished (inf if never)
     fault_at_s: float | None
+    work: list[tuple[int, float]] = field(default_factory=list)  # each sample's (tokens, seconds), in order
 
 
 def _lengths(sc: Scenario, rng: random.Random) -> list[int]:
@@ -157,7 +158,8 @@ def simulate(sc: Scenario) -> Trace:
         obs.append(o)
         if o["process"]["alive"] is False:
             break
-    return Trace(sc, obs, finish if math.isfinite(finish) else math.inf, fault)
+    return Trace(sc, obs, finish if math.isfinite(finish) else math.inf, fault,
+                 [(n, d) for n, (d, _) in zip(lengths, durs, strict=True)])
 
 
 def standard_scenarios(samples: int = 3000) -> list[Scenario]:

@@ -179,3 +179,15 @@ def test_eta_suppressed_early():
     d = Diagnoser(stage="extract")
     assert d.feed(trace.observations[0]).eta_s is None
     assert not math.isnan(d.deadline())
+
+
+def test_eta_withheld_while_the_prompts_left_are_far_longer_than_any_seen():
+    from pipeline.eta import EtaEstimator
+
+    est = EtaEstimator()
+    for k in range(1, 40):  # 10 prompts of 500 tokens every 30 s: cost 3 s each
+        est.add(t=30.0 * k, dt=30.0, samples=10, tokens=5000, tokens_sq=10 * 500 ** 2)
+    near = est.estimate(samples_left=100, tokens_left=60_000, tokens_sq_left=100 * 600 ** 2)
+    assert near is not None and 250 < near.eta_s < 400, near
+    far = est.estimate(samples_left=100, tokens_left=300_000, tokens_sq_left=100 * 3000 ** 2)
+    assert far is None and "6.0× longer than any seen" in est.why, est.why
