@@ -280,20 +280,16 @@ def cmd_train(args) -> int:
 
 @command("chart", "draw a stage's run as a PNG: progress with the ETA band, rates, loss, GPUs (UTC)")
 def cmd_chart(args) -> int:
-    from pipeline.charts import render
+    from pipeline.charts import render_run
     ctl = _controller(args)
     try:
-        run = args.run or ctl.store.latest_run()
-        obs = list(ctl.store.observations(stage=args.stage, run=run))
-        events = [e for e in ctl.store.events() if e.get("stage") == args.stage and (not run or e.get("run_id") == run)]
+        out, count, run = render_run(ctl.store, args.stage, out=Path(args.out), run=args.run)
     finally:
         ctl.close()
-    if not obs:
+    if out is None:
         raise UserError(f"chart: no observations of {args.stage}" + (f" in run {run}" if run else "") +
                         "; is `eagle3 serve` running?")
-    out = render(obs, stage=args.stage, out=Path(args.out), events=events,
-                 title=f"eagle3 — {args.stage}" + (f", run {run}" if run else ""))
-    print(f"wrote {out} ({len(obs)} observations)")
+    print(f"wrote {out} ({count} observations)")
     return 0
 
 

@@ -27,6 +27,11 @@ class ConsoleClient:
     def chat_postMessage(self, *, channel: str, text: str, blocks=None, thread_ts=None, **_) -> dict:  # noqa: N802
         return {"ok": True, "channel": channel, "ts": self._print("  ↳ " if thread_ts else "", text, blocks)}
 
+    def files_upload_v2(self, *, channel: str, file: str, initial_comment: str = "", thread_ts=None, **_) -> dict:
+        """A chart: its comment and where the PNG lies (the console cannot show it)."""
+        self._print("  ↳ " if thread_ts else "", f"{initial_comment} [chart: {file}]", None)
+        return {"ok": True, "channel": channel, "file": {"id": None}}
+
     def chat_update(self, *, channel: str, ts: str, text: str, blocks=None, **_) -> dict:
         self._print("(status updated) ", text, blocks)
         return {"ok": True, "channel": channel, "ts": ts}

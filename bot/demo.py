@@ -144,18 +144,14 @@ def _summary(root: Path, ws, started: float) -> None:
 
 def _charts(root: Path, ws) -> list[Path]:
     """The run drawn from the store, as `eagle3 chart` draws it."""
-    from pipeline.charts import render
+    from pipeline.charts import render_run
 
     ctl = Controller(workspace=ws)
     try:
         run = ctl.store.latest_run()
-        out = []
-        for stage in ("extract", "train"):
-            obs = list(ctl.store.observations(stage=stage, run=run))
-            if obs:
-                out.append(render(obs, stage=stage, out=root / "charts" / f"{stage}.png",
-                                  title=f"eagle3 demo — {stage}, run {run}"))
-        return out
+        drawn = [render_run(ctl.store, stage, out=root / "charts" / f"{stage}.png", run=run,
+                            title=f"eagle3 demo — {stage}, run {run}")[0] for stage in ("extract", "train")]
+        return [p for p in drawn if p]
     finally:
         ctl.close()
 

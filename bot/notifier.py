@@ -13,15 +13,25 @@ import logging
 import time
 
 from slack_sdk import WebClient
-from slack_sdk.errors import SlackApiError
+from slack_sdk.errors import SlackApiError, SlackRequestError
 
-from handlers.alerts import alert_buttons, escalation_text, event_message, milestone_text
+from handlers.alerts import (
+    alert_buttons,
+    chart_request_text,
+    escalation_text,
+    event_message,
+    milestone_text,
+)
 from handlers.blocks import status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.store import Store
 
 log = logging.getLogger("eagle3.notifier")
 MILESTONES = (25, 50, 75, 100)
+STALL_CHART_S = 3600.0  # a stall alert carries the chart of the last hour
+CHARTS_KEPT = 20  # rendered charts stay in STATE_DIR/charts for the operator; older ones are removed
+SCOPE_NOTE = ("(the chart was not posted: the app lacks the `files:write` scope; add it under OAuth & "
+              "Permissions and reinstall the app)")
 RETRYABLE = {"internal_error", "fatal_error", "service_unavailable", "request_timeout", "ratelimited"}
 # Refusals a person can fix (invite the bot, add a scope, replace the token): the message waits
 # and is retried slowly, never dropped; `eagle3 status` says what to do (handlers.views.slack_hint).
@@ -64,12 +74,21 @@ class Notifier:
             msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids,
                                 patterns=self.ws.config.slack.redact_patterns)
             with store.atomic():
+                stage, run = event.get("stage"), event.get("run_id")
                 if msg and not self._duplicate(store, event, msg[0]):
                     kind, text, thread = msg
-                    stage = event.get("stage")
                     blocks = text_blocks(text) + (alert_buttons(stage) if kind == "alert" and stage else [])
-                    store.enqueue(channel=self.channel, kind=kind, text=text, blocks=blocks,
-                                  thread_key=f"status:{event['run_id']}" if thread and event["run_id"] else None)
+                    mid = store.enqueue(channel=self.channel, kind=kind, text=text, blocks=blocks,
+                                        thread_key=f"status:{run}" if thread and run else None)
+                    if kind == "alert" and stage and event["data"].get("to") == "stalled":
+                        store.enqueue(channel=self.channel, kind="chart", text=f"{stage}, the last hour",
+                                      thread_key=f"outbox:{mid}",
+                                      attachment={"chart": stage, "run": run, "since": event["t"] - STALL_CHART_S})
+                elif event["kind"] == "chart-request" and stage:
+                    store.enqueue(channel=self.channel, kind="chart",
+                                  text=chart_request_text(stage, event["data"].get("by", "someone")),
+                                  thread_key=f"status:{run}" if run else None,
+                                  attachment={"chart": stage, "run": run, "text_if_none": True})
                 store.put(self.k + "notifier_after", event["id"])
 
     def _duplicate(self, store: Store, event: dict, kind: str) -> bool:
@@ -110,7 +129,8 @@ class Notifier:
             if pct >= m and m not in passed:
                 passed.append(m)
                 store.enqueue(channel=self.channel, kind="milestone", text=milestone_text("extract", m),
-                              thread_key=f"status:{run}")
+                              thread_key=f"status:{run}",
+                              attachment={"chart": "extract", "run": run, "text_if_none": True})
         store.put(self.k + f"milestones:{run}", passed)
 
     def needs_status(self, store: Store) -> bool:
@@ -147,7 +167,7 @@ class Notifier:
                              fixable=error.split(" ")[0] in FIXABLE)
                 blocked.add(ch)
                 continue
-            except OSError as exc:  # network: retry with backoff
+            except (OSError, SlackRequestError) as exc:  # network, or the file upload refused: retry with backoff
                 self._failed(store, m, f"network: {type(exc).__name__}: {exc}", retry=True)
                 blocked.add(ch)
                 continue
@@ -157,15 +177,66 @@ class Notifier:
                 if m["update_key"] and store.get(self.k + f"ts:{m['update_key']}") is None:
                     store.put(self.k + f"ts:{m['update_key']}", ts)
 
-    def _send(self, store: Store, m: dict) -> str:
+    def _thread_ts(self, store: Store, key: str | None) -> str | None:
+        if not key:
+            return None
+        if key.startswith("outbox:"):
+            return store.message_ts(int(key.split(":", 1)[1]))
+        return store.get(self.k + f"ts:{key}")
+
+    def _send(self, store: Store, m: dict) -> str | None:
+        if m.get("attachment"):
+            return self._send_chart(store, m, json.loads(m["attachment"]))
         blocks = json.loads(m["blocks"]) or None
         existing = store.get(self.k + f"ts:{m['update_key']}") if m["update_key"] else None
         if existing:
             self.client.chat_update(channel=m["channel"], ts=existing, text=m["text"], blocks=blocks)
             return existing
-        thread = store.get(self.k + f"ts:{m['thread_key']}") if m["thread_key"] else None
-        r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks, thread_ts=thread)
+        r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks,
+                                         thread_ts=self._thread_ts(store, m["thread_key"]))
         return r.get("ts")
+
+    def _send_chart(self, store: Store, m: dict, spec: dict) -> str | None:
+        """Render the chart now (from what the store holds at delivery) and upload it with
+        files_upload_v2 (files.getUploadURLExternal, the upload, files.completeUploadExternal), the
+        message's text as its comment. Nothing to draw: the text alone, or nothing for a chart-only
+        message. No `files:write` scope: the text, with what to fix said once."""
+        from pipeline.charts import render_run
+
+        stage, thread = spec["chart"], self._thread_ts(store, m["thread_key"])
+        out = self.ws.state_dir / "charts" / f"{stage}-{m['id']}.png"
+        try:
+            png, _, _ = render_run(store, stage, out=out, run=spec.get("run"), since=spec.get("since"))
+        except Exception as exc:  # noqa: BLE001 - a chart that cannot be drawn must not hold up the channel
+            log.warning("chart of %s could not be drawn (%s: %s); posting the text alone", stage,
+                        type(exc).__name__, exc)
+            png = None
+        if png is None:
+            if not spec.get("text_if_none"):
+                return None
+            return self.client.chat_postMessage(channel=m["channel"], text=m["text"], thread_ts=thread).get("ts")
+        self._prune(out.parent)
+        try:
+            r = self.client.files_upload_v2(channel=m["channel"], file=str(png), filename=png.name,
+                                            title=f"eagle3 — {stage}", initial_comment=m["text"], thread_ts=thread)
+        except SlackApiError as exc:
+            if not isinstance(exc.response.data, dict) or exc.response.get("error") != "missing_scope":
+                raise
+            noted = store.get(self.k + "chart_scope_noted")
+            store.put(self.k + "chart_scope_noted", True)
+            text = m["text"] if noted else f"{m['text']}\n{SCOPE_NOTE}"
+            log.warning("chart upload refused: missing_scope (needed: %s)", exc.response.get("needed") or "files:write")
+            return self.client.chat_postMessage(channel=m["channel"], text=text, thread_ts=thread).get("ts")
+        file = r.get("file") or {}
+        store.put(self.k + "chart:latest", {"file_id": file.get("id"), "stage": stage, "t": self.clock(),
+                                            "path": str(png)})
+        return None
+
+    @staticmethod
+    def _prune(directory) -> None:
+        charts = sorted(directory.glob("*.png"), key=lambda p: p.stat().st_mtime)
+        for old in charts[:-CHARTS_KEPT]:
+            old.unlink(missing_ok=True)
 
     def _failed(self, store: Store, m: dict, error: str, *, retry: bool, fixable: bool = False) -> None:
         attempts = m["attempts"] + 1

@@ -60,6 +60,12 @@ def alert_buttons(stage: str) -> list:
         ButtonElement(text="Snooze 1 h", action_id=ACTION_SNOOZE, value=stage)]).to_dict()]
 
 
+def chart_request_text(stage: str, by: str) -> str:
+    """The comment on a chart someone asked for."""
+    who = f"<@{by.removeprefix('slack:')}>" if by.startswith("slack:") else by
+    return f"{stage}, as {who} asked"
+
+
 def milestone_text(stage: str, pct: int) -> str:
     """A milestone reply."""
     return f"{stage} passed {pct} %"

@@ -1,8 +1,10 @@
-"""App Home: on `app_home_opened` the Home tab shows the run's status and its last five events."""
+"""App Home: on `app_home_opened` the Home tab shows the run's status, the latest chart the bot
+uploaded (an image block naming the Slack file) and the run's last five events."""
 
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 
 from handlers.alerts import event_message
 from handlers.blocks import status_blocks
@@ -12,11 +14,17 @@ log = logging.getLogger("eagle3.home")
 RECENT = 5
 
 
-def home_view(status: dict, *, version: str, events: list[dict]) -> dict:
-    """The Home tab: the status post's blocks (without its buttons: they act on a channel message)
-    and the last events worth a message, newest first."""
+def home_view(status: dict, *, version: str, events: list[dict], chart: dict | None = None) -> dict:
+    """The Home tab: the status post's blocks (without its buttons: they act on a channel message),
+    the latest uploaded chart (`{"file_id", "stage", "t"}`, None: no chart yet) and the last events
+    worth a message, newest first."""
     _, blocks = status_blocks(status, version=version)
     blocks = [b for b in blocks if b.get("type") != "actions"]
+    if chart and chart.get("file_id"):
+        blocks.append({"type": "image", "slack_file": {"id": chart["file_id"]},
+                       "alt_text": f"chart of {chart.get('stage', 'the run')}",
+                       "title": {"type": "plain_text", "text": f"{chart.get('stage', 'run')}, drawn "
+                                 f"{datetime.fromtimestamp(chart.get('t', 0), tz=UTC):%H:%M} UTC"}})
     lines = []
     for e in reversed(events):
         msg = event_message(e, oncall=[])
@@ -40,7 +48,8 @@ def register(app, *, controller_factory) -> None:
         ctl = controller_factory()
         try:
             status = ctl.status(sample_if_unmonitored=False)
-            view = home_view(status, version=ctl.state_version(), events=ctl.store.recent_events(50))
+            view = home_view(status, version=ctl.state_version(), events=ctl.store.recent_events(50),
+                             chart=ctl.store.get("chart:latest"))
         finally:
             ctl.close()
         client.views_publish(user_id=event["user"], view=view)

@@ -24,6 +24,7 @@ SUBCOMMANDS = {  # usage -> what it answers; the help text, the docs test and th
     "stuck": "each stage's verdict with its evidence",
     "eta": "each stage's progress and ETA with its band",
     "gpus": "GPU utilization and memory, and which stage holds them",
+    "chart [STAGE]": "a chart of the stage (default: the one running) posted in the run's thread",
     "logs STAGE": "the last lines of a stage's log, secrets redacted",
     "train": "start training now — refused with the numbers until extraction is verified complete",
     "autostart on|off": "arm or cancel training's automatic start when extraction is verified complete",
@@ -115,6 +116,16 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         gpus = next((st.get("gpus") for st in status["stages"].values() if st.get("gpus")), None)
         text = gpus_text(gpus)
         return text, text_blocks(f"```\n{text}\n```" if gpus else text)
+    if verb == "chart":
+        running = [n for n, st in status["stages"].items() if st["state"] == "running" and n != "server"]
+        stage = args[0] if args else (running[-1] if running else "extract")
+        if stage not in STAGE_NAMES:
+            return _name_a_stage(verb)
+        r = ctl.request_chart(stage, by=f"slack:{user}")
+        text = (f"Drawing the {stage} chart: it will appear in the run's thread in a few seconds."
+                if r["monitor_running"] else
+                f"The {stage} chart will be posted when `eagle3 serve` runs again (it is not running).")
+        return text, text_blocks(text)
     if verb == "logs":
         stage = args[0] if args else "extract"
         if stage not in STAGE_NAMES:

@@ -65,6 +65,20 @@ def render(observations: list[dict], *, stage: str, out: Path, events: list[dict
     return out
 
 
+def render_run(store, stage: str, *, out: Path, run: str | None = None, since: float | None = None,
+               title: str | None = None) -> tuple[Path | None, int, str | None]:
+    """Draw one stage of a run (default: the latest) from the store, optionally only since a time.
+    Returns (the PNG, or None when there is nothing to draw; how many observations; the run)."""
+    run = run or store.latest_run()
+    obs = list(store.observations(stage=stage, run=run, since=since))
+    if not obs:
+        return None, 0, run
+    events = [e for e in store.events() if e.get("stage") == stage and (not run or e.get("run_id") == run)
+              and (since is None or e["t"] >= since)]
+    return render(obs, stage=stage, out=out, events=events,
+                  title=title or f"eagle3 — {stage}" + (f", run {run}" if run else "")), len(obs), run
+
+
 def _progress(ax, obs: list[dict], verdicts: list, events) -> None:
     pts = [(o["t"], o["progress"]) for o in obs if isinstance(o.get("progress"), dict)
            and isinstance(o["progress"].get("done"), (int, float))]

@@ -130,6 +130,16 @@ class Controller:
             self.store.audit(user=by, channel=None, action=f"remind {spec}", outcome="done")
         return {**reminder, "monitor_running": self.monitor_running()}
 
+    def request_chart(self, stage: str, *, by: str = "cli") -> dict:
+        """Ask for a stage's chart in the run's thread: an event the notifier turns into an upload
+        (rendered when it is delivered, so an outage posts the latest picture, not a stale one)."""
+        self._check_stage(stage)
+        if self.store.latest_observation(stage) is None:
+            raise UserError(f"chart {stage}: nothing observed of {stage} yet; is `eagle3 serve` running?")
+        run = self.store.latest_run()
+        self.store.add_event(kind="chart-request", run_id=run, stage=stage, data={"by": by})
+        return {"stage": stage, "run": run, "monitor_running": self.monitor_running()}
+
     def stop(self, stage: str, *, grace_s: float | None = None, by: str = "cli") -> StopResult:
         """Stop one stage (SIGTERM, grace, SIGKILL). Stopping training also cancels an auto-start
         that has not launched it yet: otherwise the handoff would launch it again."""

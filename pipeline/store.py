@@ -68,6 +68,12 @@ def m004_outbox_update_key(db: Database) -> None:
     db["outbox"].create_index(["channel", "update_key"])
 
 
+@migrations()
+def m005_outbox_attachment(db: Database) -> None:
+    # A message may carry something to upload (a chart, JSON: what to draw); delivery renders it.
+    db["outbox"].add_column("attachment", str)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
@@ -240,12 +246,20 @@ class Store:
 
     # --- outbox -------------------------------------------------------------------
     def enqueue(self, *, channel: str, kind: str, text: str, blocks: list | None = None,
-                update_key: str | None = None, thread_key: str | None = None) -> int:
-        """Store an outgoing message (delivered in id order per channel)."""
+                update_key: str | None = None, thread_key: str | None = None,
+                attachment: dict | None = None) -> int:
+        """Store an outgoing message (delivered in id order per channel). `thread_key` is an update
+        key whose message the reply goes under, or `outbox:ID` (the reply goes under that message);
+        `attachment` says what to upload with it (`{"chart": stage, ...}`), rendered at delivery."""
         return self.db["outbox"].insert({
             "t": self.clock(), "channel": channel, "kind": kind, "text": text, "blocks": json.dumps(blocks or []),
             "update_key": update_key, "thread_key": thread_key, "status": "pending", "attempts": 0,
-            "next_try": 0.0}).last_pk
+            "next_try": 0.0, "attachment": json.dumps(attachment) if attachment else None}).last_pk
+
+    def message_ts(self, message_id: int) -> str | None:
+        """The chat service's ts of a delivered outbox message (None while it is pending)."""
+        row = self.db.execute("SELECT ts FROM outbox WHERE id = ? AND status = 'sent'", [message_id]).fetchone()
+        return row[0] if row else None
 
     def pending_messages(self, channel: str | None = None) -> list[dict]:
         """Undelivered messages (to one channel, or all), oldest first."""

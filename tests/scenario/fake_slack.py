@@ -3,6 +3,9 @@
 Faults are scripted per method: `fail[method] = n` answers the next n calls with 500;
 `script[method]` is a list of answers used up one per call: ("429", retry_after_s),
 `delay_s` makes every answer slow,
+file uploads follow files_upload_v2's flow: files.getUploadURLExternal answers an upload_url on
+this server, the bytes POSTed there are recorded as method "upload" ({"file_id", "bytes", "png"}),
+files.completeUploadExternal answers the files it completed,
 ("500", None) or ("error", "channel_not_found") for an HTTP 200 `{"ok": false}`.
 A faulted call is not recorded as delivered; its time goes to `faults`.
 """
@@ -41,12 +44,17 @@ class FakeSlack:
                 self.wfile.write(raw)
 
             def do_POST(self):  # noqa: N802
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
-                try:
-                    params = json.loads(raw) if raw.startswith("{") else dict(parse_qsl(raw))
-                except ValueError:
-                    params = {"raw": raw}
-                method = self.path.rsplit("/", 1)[-1] if self.path.startswith("/api/") else "response_url"
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path.startswith("/upload/"):
+                    method, params = "upload", {"file_id": self.path.rsplit("/", 1)[-1], "bytes": len(body),
+                                                "png": body[:8] == b"\x89PNG\r\n\x1a\n"}
+                else:
+                    raw = body.decode()
+                    try:
+                        params = json.loads(raw) if raw.startswith("{") else dict(parse_qsl(raw))
+                    except ValueError:
+                        params = {"raw": raw}
+                    method = self.path.rsplit("/", 1)[-1] if self.path.startswith("/api/") else "response_url"
                 time.sleep(fake.delay_s)
                 with fake.lock:
                     fault = fake._next_fault(method)
@@ -58,7 +66,7 @@ class FakeSlack:
                         fake.faults.append((method, fault[0], time.monotonic()))
                 if fault is None:
                     return self._answer(200, {"ok": True, "channel": params.get("channel"), "ts": ts,
-                                              **fake.answers.get(method, {})})
+                                              **fake._files(method, params), **fake.answers.get(method, {})})
                 kind, arg = fault
                 if kind == "429":
                     return self._answer(429, {"ok": False, "error": "ratelimited"}, {"Retry-After": str(arg)})
@@ -72,6 +80,15 @@ class FakeSlack:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _files(self, method: str, params: dict) -> dict:
+        """The extra fields of the file-upload methods' answers."""
+        if method == "files.getUploadURLExternal":
+            file_id = f"F{len(self.calls):06d}"
+            return {"file_id": file_id, "upload_url": f"{self.url}/upload/{file_id}"}
+        if method == "files.completeUploadExternal":
+            return {"files": [{"id": f["id"], "title": f.get("title")} for f in json.loads(params.get("files", "[]"))]}
+        return {}
 
     def _next_fault(self, method: str):
         if self.script.get(method):

@@ -304,3 +304,85 @@ def test_serve_checks_its_token_once_at_start(env, answer, caplog):
     status = Controller(workspace=env["ws"], store=env["store"]).status(sample_if_unmonitored=False)
     assert "slack: the bot token was refused (invalid_auth); SLACK_BOT_TOKEN is not valid" in status_text(
         {**status, "slack_auth": stored})
+
+
+def _observed(store, clock, samples=300):
+    """A run with a simulated extraction in the store, the clock at its last observation."""
+    from pipeline.simtrace import Scenario, simulate
+
+    run = store.open_run()
+    for o in simulate(Scenario("chart", samples=samples)).observations:
+        store.add_observation(o, run_id=run)
+        clock["t"] = o["t"]
+    return run
+
+
+UPLOAD_FLOW = ["files.getUploadURLExternal", "upload", "files.completeUploadExternal"]
+
+
+def test_milestone_charts_upload_in_order_and_survive_an_outage(env):
+    n, store, fake, clock = env["notifier"](), env["store"], env["fake"], env["clock"]
+    run = _observed(store, clock)
+    n.tick(store)
+    n.post_status(store, {"run": run, "autostart": "off", "stages": {s: {"state": "not-started"} for s in
+                                                                      ("server", "extract", "train")}}, "v")
+    n.tick(store)
+    fake.fail["files.getUploadURLExternal"] = 2  # Slack down for the first attempts
+    fake.fail["upload"] = 1  # then the upload URL answers 500 once
+    store.put("verdict:extract", {"run": run, "progress_pct": 30.0})
+    for _ in range(8):
+        n.tick(store)
+        clock["t"] += 60
+    flow = [m for m, _ in fake.calls if m in UPLOAD_FLOW]
+    # the failed upload's URL is abandoned and the flow starts again: one file posted, nothing lost or doubled
+    assert flow == UPLOAD_FLOW[:1] + UPLOAD_FLOW, flow
+    assert [f[0] for f in fake.faults] == ["files.getUploadURLExternal"] * 2 + ["upload"]
+    assert fake.of("upload")[0]["png"] and fake.of("upload")[0]["bytes"] > 10_000
+    done = fake.of("files.completeUploadExternal")[0]
+    assert done["initial_comment"] == "extract passed 25 %" and done["thread_ts"] == store.get("ts:status:" + run)
+    assert done["channel_id"] == "C1"
+    assert store.pending_messages() == []
+    assert store.get("chart:latest")["file_id"] == fake.of("upload")[0]["file_id"]
+    assert any(p.suffix == ".png" for p in (env["ws"].state_dir / "charts").iterdir())
+
+
+def test_a_stall_alert_carries_the_last_hour_in_its_thread(env):
+    n, store, fake, clock = env["notifier"](), env["store"], env["fake"], env["clock"]
+    run = _observed(store, clock)
+    n.tick(store)
+    store.add_event(kind="verdict", run_id=run, stage="extract",
+                    data={"from": "progressing", "to": "stalled", "reasons": ["no progress for 2m"]})
+    n.tick(store)
+    alert = fake.of("chat.postMessage")[0]
+    done = fake.of("files.completeUploadExternal")
+    assert "*extract is stalled*" in alert["text"] and len(done) == 1
+    assert done[0]["thread_ts"].startswith("1790000000.") and done[0]["initial_comment"] == "extract, the last hour"
+
+
+def test_without_files_write_the_chart_text_is_posted_and_the_scope_named_once(env):
+    n, store, fake, clock = env["notifier"](), env["store"], env["fake"], env["clock"]
+    run = _observed(store, clock)
+    n.tick(store)
+    fake.script["files.getUploadURLExternal"] = [("error", "missing_scope")] * 2
+    for pct in (30.0, 60.0):
+        store.put("verdict:extract", {"run": run, "progress_pct": pct})
+        n.tick(store)
+    texts = [c["text"] for c in fake.of("chat.postMessage")]
+    assert texts[0].startswith("extract passed 25 %\n") and "`files:write`" in texts[0]
+    assert texts[1] == "extract passed 50 %", "the scope is named once"
+    assert store.pending_messages() == []
+
+
+def test_a_chart_request_becomes_an_upload(env):
+    from pipeline.controller import Controller
+
+    n, store, fake, clock = env["notifier"](), env["store"], env["fake"], env["clock"]
+    n.tick(store)
+    ctl = Controller(workspace=env["ws"], store=store)
+    with pytest.raises(Exception, match="nothing observed of train"):
+        ctl.request_chart("train", by="slack:U1")
+    _observed(store, clock, samples=100)
+    ctl.request_chart("extract", by="slack:U1")
+    n.tick(store)
+    assert [m for m, _ in fake.calls if m in UPLOAD_FLOW] == UPLOAD_FLOW
+    assert fake.of("files.completeUploadExternal")[0]["initial_comment"] == "extract, as <@U1> asked"

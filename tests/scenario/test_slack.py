@@ -70,6 +70,13 @@ def test_eta_answers_the_eta_and_stuck_the_evidence(slack):
     assert "verdict: dead" in stuck and "exited early at 40.0 %" in stuck
 
 
+def test_chart_is_asked_for_and_says_where_it_will_appear(slack):
+    assert "nothing observed of train yet" in command(slack, "chart train").json()["text"]
+    assert "name server, extract or train" in command(slack, "chart nonsense").json()["text"]
+    text = command(slack, "chart").json()["text"]  # no serve here: the request waits for it
+    assert text == "The extract chart will be posted when `eagle3 serve` runs again (it is not running).", text
+
+
 def test_unknown_and_overlong_text_get_help(slack):
     assert "commands:" in command(slack, "rm -rf /").json()["text"]
     assert "commands:" in command(slack, "status " + "x" * 500).json()["text"]

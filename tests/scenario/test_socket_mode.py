@@ -84,6 +84,7 @@ def test_app_home_opened_publishes_the_home_tab_for_that_user(socket_mode):
     store = Store(ws.store_path)
     try:
         store.add_event(kind="handoff", run_id=store.open_run(), data={"step": "armed", "reason": "armed by test"})
+        store.put("chart:latest", {"file_id": "F0CHART", "stage": "extract", "t": 1_790_000_000.0})
     finally:
         store.close()
     sock.send_event("e-home", {"type": "app_home_opened", "user": "UHOME", "channel": "D1", "tab": "home",
@@ -97,4 +98,6 @@ def test_app_home_opened_publishes_the_home_tab_for_that_user(socket_mode):
     text = json.dumps(view["blocks"])
     assert "*Run " in text and "Last events" in text and "armed by test" in text
     assert '"actions"' not in text  # the status post's buttons act on a channel message: not in Home
+    image = next(b for b in view["blocks"] if b["type"] == "image")
+    assert image["slack_file"] == {"id": "F0CHART"} and image["alt_text"]  # the latest chart uploaded
     assert sock.acks["e-home"][0] - sock.sent_at["e-home"] < 1.0

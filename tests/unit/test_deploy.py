@@ -103,7 +103,7 @@ def test_slack_manifest():
     assert [c["command"] for c in commands] == ["/eagle3"]
     for usage in SUBCOMMANDS:
         assert usage.split()[0] in commands[0]["usage_hint"]
-    assert sorted(m["oauth_config"]["scopes"]["bot"]) == ["chat:write", "commands"]
+    assert sorted(m["oauth_config"]["scopes"]["bot"]) == ["chat:write", "commands", "files:write"]
     assert m["settings"]["interactivity"]["is_enabled"] is True
     assert m["settings"]["socket_mode_enabled"] is True
     assert m["settings"]["event_subscriptions"]["bot_events"] == ["app_home_opened"]
