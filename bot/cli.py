@@ -253,7 +253,8 @@ def cmd_extract(args) -> int:
     return extract(Options(server=args.server, data=Path(args.data), out=Path(args.out), concurrency=args.concurrency,
                            max_retries=args.max_retries, mode=args.mode, layers=args.layers,
                            target_topk=args.target_topk, dtype=args.dtype, dump_field=args.dump_field,
-                           server_wait_s=args.server_wait, force=args.force))
+                           server_wait_s=args.server_wait, force=args.force, parser=args.parser,
+                           max_inflight_gb=args.max_inflight_gb))
 
 
 @command("verify", "open random extracted files and check keys, shapes, token ids and finiteness")
@@ -366,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dump-field", default="hidden_states_path", help="dump mode: meta_info field naming the file")
     e.add_argument("--server-wait", type=float, default=600.0, help="seconds to wait for an unreachable server")
     e.add_argument("--force", action="store_true", help="continue into an OUT made from another dataset")
+    e.add_argument("--max-inflight-gb", type=float, metavar="G",
+                   help="memory for answers in flight: a request waits until its answer fits (default: a quarter of "
+                        "the memory available at start)")
+    e.add_argument("--parser", choices=("fast", "json"), default="fast",
+                   help="fast (default): hidden states parsed by simdjson into arrays; json: json.loads (slow)")
     p["verify"].add_argument("out", help="extraction output directory")
     p["verify"].add_argument("--sample", type=int, default=200, help="files to open (default 200)")
     from pipeline.toy_args import add_arguments

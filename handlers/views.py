@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from pipeline.verdict import fmt_bytes
+
 
 def ago(seconds: float | None) -> str:
     """A short human duration such as '4h 48m' or '12s' ('unknown' for None)."""
@@ -161,6 +163,10 @@ def verdict_line(stage: str, st: dict) -> str:
         parts.append(f"ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))})")
     elif verdict in ("progressing", "slow", "starting"):
         parts.append(f"no ETA yet ({st['eta_note']})" if st.get("eta_note") else "ETA not yet meaningful")
+    prog = st.get("progress") if isinstance(st.get("progress"), dict) else {}
+    if verdict in ("progressing", "slow", "starting", "stalled") and prog.get("max_inflight_bytes"):
+        parts.append(f"answers in memory {fmt_bytes(prog.get('inflight_bytes') or 0)} of "
+                     f"{fmt_bytes(prog['max_inflight_bytes'])}")
     line = ", ".join(parts)
     reasons = st.get("reasons") or []
     return line + ("\n" + "\n".join(f"{'':<10} - {r}" for r in reasons) if reasons else "")

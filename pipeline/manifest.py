@@ -31,7 +31,8 @@ def open_readonly(path: Path) -> sqlite3.Connection:
 
 
 def summarize(out_dir: Path) -> dict:
-    """{done, failed, total, tokens_done, tokens_total, tokens_sq_done, tokens_sq_total, layers, hidden_size};
+    """{done, failed, total, tokens_done, tokens_total, tokens_sq_done, tokens_sq_total, layers, hidden_size,
+    inflight_bytes, max_inflight_bytes};
     raises OSError/sqlite3.Error."""
     path = Path(out_dir) / MANIFEST_NAME
     if not path.exists():
@@ -49,7 +50,9 @@ def summarize(out_dir: Path) -> dict:
     return {"done": done[0], "failed": failed[0], "total": as_int("samples_total"),
             "tokens_done": done[1] + failed[1], "tokens_total": as_int("tokens_total"), "unit": "samples",
             "tokens_sq_done": done[2] + failed[2] if sq_total is not None else None, "tokens_sq_total": sq_total,
-            "layers": as_int("layers"), "hidden_size": as_int("hidden_size")}
+            "layers": as_int("layers"), "hidden_size": as_int("hidden_size"),
+            # answers in memory at the client, and its budget (absent from manifests before issue 17)
+            "inflight_bytes": as_int("inflight_bytes"), "max_inflight_bytes": as_int("max_inflight_bytes")}
 
 
 class Manifest:

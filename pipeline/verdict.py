@@ -75,6 +75,14 @@ def fmt_s(seconds: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
+def fmt_bytes(n: float) -> str:
+    """Bytes as '512 B', '3.2 MB', '1.50 GB' (decimal units, as disks and budgets are given)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit in ("TB", "GB") else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def gpu_busy_at_power(g: dict) -> bool:
     util, power, limit = num(g, "util"), num(g, "power_w"), num(g, "power_limit_w")
     if util is None or power is None:

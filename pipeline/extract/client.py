@@ -22,6 +22,7 @@ import httpx
 
 from pipeline.errors import UserError
 from pipeline.extract import dataset as ds
+from pipeline.extract import fastparse
 from pipeline.extract.preflight import Plan, fetch_info, plan
 from pipeline.extract.progress_line import ProgressLine
 from pipeline.extract.response import BadResponse, check_rows, prefill_rows, topk_rows
@@ -33,6 +34,7 @@ from pipeline.extract.writer import (
     write_sample,
 )
 from pipeline.manifest import Manifest
+from pipeline.verdict import fmt_bytes
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES}
 LAYER_CONVENTION = "sglang-layer-input"  # aux state i is the input of layer i
@@ -59,9 +61,15 @@ class Options:
     server_wait_s: float = 600.0
     force: bool = False
     timeout_s: float = 600.0
+    parser: str = "fast"  # "json": json.loads for every answer (the slow path, kept to compare against)
+    max_inflight_gb: float | None = None  # None: a quarter of the memory available at start
 
 
 STORE_WORKERS = 4
+# An answer in memory: its JSON text (read into a growing buffer: up to 1/8 spare), then float32
+# rows, the bf16 tensor and the chunk being parsed.
+PARSED_BYTES_PER_FLOAT = 10.0
+JSON_BYTES_PER_FLOAT = 22.0  # until the first answer measures it (`.tolist()` of float32: ~20)
 STOP_DRAIN_S = 60.0  # after SIGTERM, how long requests and writes in flight may take to finish
 
 
@@ -73,6 +81,7 @@ class _Job:
     ids: list[int]
     sid: str | None
     loss_mask: list[int] | None = None
+    reserved: float = 0.0  # bytes of the in-flight budget this sample holds
     attempts: int = 0
     truncated_once: bool = False
     last_error: str = ""
@@ -90,6 +99,24 @@ class Extractor:
         self.width: int | None = None
         self.fatal: Exception | None = None
         self.hidden_recorded = False
+        self.json_bpf = JSON_BYTES_PER_FLOAT
+        if opts.parser == "fast" and not fastparse.available():
+            self.say("warning: pysimdjson is not installed: answers are parsed with json.loads, ~8× slower "
+                     "(pip install pysimdjson)")
+            opts.parser = "json"
+        self.budget = self._budget()
+        self.inflight_bytes = 0.0
+        self.warned_large: set[int] = set()
+        self._published = 0.0
+
+    def _budget(self) -> float:
+        if self.o.max_inflight_gb is not None:
+            if self.o.max_inflight_gb <= 0:
+                raise UserError(f"--max-inflight-gb {self.o.max_inflight_gb}: give a positive size in GB, e.g. 4")
+            return self.o.max_inflight_gb * 1e9
+        import psutil
+
+        return psutil.virtual_memory().available / 4
 
     # --- setup --------------------------------------------------------------------
     def prepare(self) -> tuple[ds.Dataset, Plan, Manifest, list[int]]:
@@ -99,6 +126,10 @@ class Extractor:
         self.say(f"server {self.o.server}: version {p.version}, {p.layers} layers per row "
                  f"({'3 aux + final' if p.final_present else '3 aux, no final; top-' + str(p.topk) + ' target logprobs'}), "
                  f"chunked prefill {p.chunk}, aux layer ids {p.layer_ids}")
+        self.say(f"in-flight memory budget {fmt_bytes(self.budget)}"
+                 + (" (a quarter of the memory available now; --max-inflight-gb to change)"
+                    if self.o.max_inflight_gb is None else "")
+                 + ": a request is sent only when its answer fits beside those in flight")
         for w in p.warnings:
             self.say(f"warning: {w}")
         manifest = Manifest(self.o.out)
@@ -116,7 +147,8 @@ class Extractor:
                            "model": p.model, "layers": p.layers, "layer_ids": json.dumps(p.layer_ids),
                            "layer_convention": LAYER_CONVENTION, "final_layer": "present" if p.final_present else "absent",
                            "final_slot": "post-norm" if p.final_present else "",
-                           "data_path": str(Path(self.o.data).resolve()), "server_version": p.version})
+                           "data_path": str(Path(self.o.data).resolve()), "server_version": p.version,
+                           "max_inflight_bytes": int(self.budget), "inflight_bytes": 0})
         done = manifest.done()
         missing = [i for i in done if not sample_path(self.o.out, i).exists()]
         if missing:
@@ -146,6 +178,7 @@ class Extractor:
         self.jobs: asyncio.Queue[_Job] = asyncio.Queue()
         self.answers: asyncio.Queue[tuple[_Job, bytes]] = asyncio.Queue(maxsize=2 * self.o.concurrency)
         self.remaining, self.inflight, self.storing, self.writing = len(todo), 0, 0, 0
+        self.freed = asyncio.Event()  # set (and replaced) each time budget is given back
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
@@ -159,6 +192,7 @@ class Extractor:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+        manifest.set_meta({"inflight_bytes": 0})
         manifest.close()
         self.progress.final()
         if self.fatal:
@@ -212,28 +246,72 @@ class Extractor:
             if self._ending():
                 continue  # abandoned: not recorded, so it is extracted on resume
             await self._wait_for_server(client)
-            if self._ending():
+            if self._ending() or not await self._admit(job):
                 continue
             job.attempts += 1
             self.inflight += 1
             try:
                 content = await self._send(client, job)
             except httpx.TransportError as exc:
+                self._release(job)
                 job.attempts -= 1  # an unreachable server is not this sample's fault
                 job.last_error = _http_reason(exc)
                 self.server_up.clear()
                 self.jobs.put_nowait(job)
                 continue
             except httpx.HTTPStatusError as exc:
+                self._release(job)
                 self._retry(job, _http_reason(exc), retryable=True)
                 continue
             except Exception as exc:  # noqa: BLE001 - a dead worker must end the run, not hang it
+                self._release(job)
                 self.fatal = UserError(f"unexpected error requesting sample {job.idx}: {type(exc).__name__}: {exc}")
                 return
             finally:
                 self.inflight -= 1
             self.storing += 1
             await self.answers.put((job, content))
+            del content  # else this worker keeps its last answer alive while it waits for the next
+
+    def _predict(self, job: _Job) -> float:
+        """The bytes this sample's answer will take in memory; the whole budget before the row width
+        is known (the first answer runs alone and measures it)."""
+        if not self.width:
+            return self.budget
+        return len(job.ids) * self.width * (self.json_bpf * 1.125 + PARSED_BYTES_PER_FLOAT)
+
+    async def _admit(self, job: _Job) -> bool:
+        """Wait until the sample's answer fits in the budget beside those in flight (or nothing is in
+        flight: a sample larger than the whole budget runs alone). False when the run is ending."""
+        while True:
+            need = self._predict(job)  # again after each wait: the first answer may have given the width
+            if not self.inflight_bytes or self.inflight_bytes + need <= self.budget:
+                break
+            if self._ending():
+                self.jobs.put_nowait(job)
+                return False
+            freed = self.freed
+            try:
+                await asyncio.wait_for(freed.wait(), 0.5)
+            except TimeoutError:
+                pass
+        self.inflight_bytes += need
+        job.reserved = need
+        if need > self.budget and self.width and job.idx not in self.warned_large:
+            self.warned_large.add(job.idx)
+            self.say(f"warning: sample {job.idx} ({len(job.ids):,} tokens) needs about {fmt_bytes(need)} in "
+                     f"memory, more than the {fmt_bytes(self.budget)} budget: it runs alone")
+        return True
+
+    def _release(self, job: _Job) -> None:
+        """Give the sample's share of the budget back and wake the waiters (no await: nothing can
+        run between a sample's end and its accounting)."""
+        if not job.reserved:
+            return
+        self.inflight_bytes = max(0.0, self.inflight_bytes - job.reserved)
+        job.reserved = 0.0
+        freed, self.freed = self.freed, asyncio.Event()
+        freed.set()
 
     async def _send(self, client, job: _Job) -> bytes:
         body = {"input_ids": job.ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -243,25 +321,36 @@ class Extractor:
         if self.on_request:
             self.on_request(+1, time.monotonic())
         try:
-            r = await client.post("/generate", json=body)
+            async with client.stream("POST", "/generate", json=body) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    r.raise_for_status()
+                content = bytearray()  # grown in place: never the chunk list and its join at once
+                async for chunk in r.aiter_bytes():
+                    content += chunk
         finally:
             if self.on_request:
                 self.on_request(-1, time.monotonic())
-        r.raise_for_status()
-        return r.content
+        return content
 
     async def _storer(self) -> None:
         while True:
             job, content = await self.answers.get()
+            box = [content]  # _store takes the answer out of the box, so its memory goes when it is parsed
+            del content
             if self.fatal is not None:
+                box.clear()
+                self._release(job)
                 self.storing -= 1
                 continue  # abandoned: not recorded, so it is extracted on resume
             self.writing += 1
             try:
                 try:
-                    nbytes = await asyncio.to_thread(self._store, content, job, self.plan)
+                    nbytes = await asyncio.to_thread(self._store, box, job, self.plan)
                 finally:
                     self.writing -= 1
+                    box.clear()
+                    self._release(job)
                 self._finish(job, "done", nbytes=nbytes)
             except BadResponse as exc:
                 self._retry(job, exc.reason, retryable=exc.retry)
@@ -306,16 +395,33 @@ class Extractor:
             self.hidden_recorded = True
         self.remaining -= 1
         self.progress.add(ok=status == "done", tokens=tokens or 0)
+        if time.monotonic() - self._published > 2.0:  # for `eagle3 status`: bytes in flight, now and then
+            self._published = time.monotonic()
+            try:
+                self.manifest.set_meta({"inflight_bytes": int(self.inflight_bytes)})
+            except sqlite3.Error:
+                pass
 
-    def _store(self, content: bytes, job: _Job, p: Plan) -> int:
+    def _store(self, box: list, job: _Job, p: Plan) -> int:
         idx, ids, sid = job.idx, job.ids, job.sid
+        content = box.pop()
+        fast = None
+        if self.o.mode != "dump" and self.o.parser == "fast":
+            try:
+                fast = fastparse.split(content)
+            except ValueError:  # the rest of the answer is not JSON: json.loads below says so
+                fast = None
         try:
-            answer = json.loads(content)
+            answer = fast[0] if fast else json.loads(content)
             meta = answer["meta_info"]
         except (ValueError, KeyError, TypeError):
             raise BadResponse("the server's answer is not SGLang's /generate JSON") from None
-        rows = self._rows(meta, p)
+        size = len(content)
+        del content  # the answer's text is no longer needed: its memory goes back before the write
+        rows = fast[1] if fast else self._rows(meta, p)
         width = check_rows(rows, seq=len(ids), layers=p.layers, width=self.width, chunk=p.chunk)
+        if self.o.mode != "dump":
+            self.json_bpf = max(self.json_bpf if self.width else 0.0, size / max(1, len(ids) * width))
         self.width = self.width or width
         topk = topk_rows(meta, seq=len(ids), k=p.topk) if p.topk else None
         tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=DTYPES[self.o.dtype], topk=topk,

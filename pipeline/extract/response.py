@@ -42,8 +42,9 @@ def prefill_rows(meta: dict) -> list:
     raise BadResponse("meta_info.hidden_states has an unexpected shape")
 
 
-def check_rows(rows: list, *, seq: int, layers: int, width: int | None, chunk: int | None) -> int:
-    """Validate the row count, width and finiteness; return D (row width)."""
+def check_rows(rows, *, seq: int, layers: int, width: int | None, chunk: int | None) -> int:
+    """Validate the row count, width and finiteness of `rows` (lists, or fastparse's [rows, D] array);
+    return D (row width)."""
     if len(rows) != seq:
         if chunk and seq > chunk and len(rows) == (seq % chunk or chunk):
             raise BadResponse(
@@ -55,10 +56,16 @@ def check_rows(rows: list, *, seq: int, layers: int, width: int | None, chunk: i
         raise BadResponse(f"row width {d} is not a multiple of {layers} layers", retry=False)
     if width is not None and d != width:
         raise BadResponse(f"row width {d} differs from the run's {width} (another model or flags?)", retry=False)
+    if not isinstance(rows, list):  # a float array from fastparse: uniform and finite by construction
+        return d
     for r in rows:
         if len(r) != d:
             raise BadResponse("rows of different widths")
-        if not all(math.isfinite(v) for v in r):
+        try:
+            finite = all(math.isfinite(v) for v in r)
+        except TypeError:
+            raise BadResponse("the hidden states are not all numbers") from None
+        if not finite:
             raise BadResponse("non-finite values in the hidden states")
     return d
 

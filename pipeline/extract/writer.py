@@ -19,10 +19,11 @@ def sample_path(out: Path, idx: int) -> Path:
     return out / "hidden_states" / f"hs_{idx}.safetensors"
 
 
-def tensors_for(*, token_ids: list[int], rows: list, layers: int, dtype: torch.dtype,
+def tensors_for(*, token_ids: list[int], rows, layers: int, dtype: torch.dtype,
                 topk: tuple[list, list] | None, loss_mask: list[int] | None = None) -> dict[str, torch.Tensor]:
-    """The sample's tensors: token_ids [seq] int64, hidden_states [seq, L, H] (+ top-K, + loss_mask [seq] uint8)."""
-    hs = torch.tensor(rows, dtype=torch.float32)
+    """The sample's tensors: token_ids [seq] int64, hidden_states [seq, L, H] (+ top-K, + loss_mask [seq] uint8).
+    `rows`: lists of floats, or a float32 [seq, L·H] array (fastparse), converted alike."""
+    hs = torch.tensor(rows, dtype=torch.float32) if isinstance(rows, list) else torch.from_numpy(rows)
     seq, d = hs.shape
     out = {"token_ids": torch.tensor(token_ids, dtype=torch.int64),
            "hidden_states": hs.reshape(seq, layers, d // layers).to(dtype).contiguous()}

@@ -149,12 +149,25 @@ def test_garbage_answers_are_retried_then_failed(tmp_path):
         server.stop()
 
 
-def test_concurrency_is_held(tmp_path):
+def test_concurrency_is_held_and_a_memory_budget_below_one_answer_runs_them_alone(tmp_path):
     server = ToyServer("--latency-ms", "400", "--fixed-reply")  # wide enough for 8 to overlap on a busy machine
     try:
         write_dataset(tmp_path / "d.jsonl", 64, seed=5)
-        assert run_extract(server.url, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", "8").returncode == 0
+        res = run_extract(server.url, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", "8")
+        assert res.returncode == 0 and "in-flight memory budget" in res.stderr
         assert server.metric("toy:max_running_reqs") == 8
+        # 1 kB: every answer is larger than the whole budget. One at a time, each named once, no deadlock.
+        server.stop()
+        server = ToyServer("--latency-ms", "50", "--fixed-reply")
+        write_dataset(tmp_path / "s.jsonl", 12, seed=6)
+        res = run_extract(server.url, tmp_path / "s.jsonl", tmp_path / "small", "--concurrency", "8",
+                          "--max-inflight-gb", "0.000001")
+        assert res.returncode == 0, res.stderr
+        assert server.metric("toy:max_running_reqs") == 1
+        alone = [line for line in res.stderr.splitlines() if "runs alone" in line]
+        assert len(alone) == 11 and len({line.split()[3] for line in alone}) == 11, alone  # all but the first
+        assert "in-flight memory budget 1.0 kB: a request is sent" in res.stderr
+        assert sorted(manifest_rows(tmp_path / "small")) == list(range(12))
     finally:
         server.stop()
 
