@@ -173,7 +173,10 @@ class DrillWorkspace:
     def check_delivery(self, tally: Tally, trial: int, fake) -> None:
         """Every outbox message accepted by Slack, in order for the channel; duplicates counted."""
         rows = self.query("SELECT id, text, status FROM outbox WHERE channel = ? ORDER BY id", (CHANNEL,))
-        calls = [(m, p.get("text", "")) for m, p in fake.calls if m in ("chat.postMessage", "chat.update")]
+        # a chart is posted as an upload whose comment is the message's text
+        calls = [("chat.postMessage" if m == "files.completeUploadExternal" else m,
+                  p.get("initial_comment", "") if m == "files.completeUploadExternal" else p.get("text", ""))
+                 for m, p in fake.calls if m in ("chat.postMessage", "chat.update", "files.completeUploadExternal")]
         at = 0
         for msg_id, text, status in rows:
             if status != "sent":
