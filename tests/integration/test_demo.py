@@ -73,7 +73,9 @@ def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_runnin
     replies = [p["text"] for p in posts if p.get("thread_ts") == status_ts]
     for step in ("stopping-server", "waiting-for-gpu-release", "launching-training", "training-running"):
         assert any(f"*{step}*" in r for r in replies), replies
-    assert any("extract passed 100 %" in r for r in replies)
+    charts = [p["initial_comment"] for p in fake.of("files.completeUploadExternal") if p.get("thread_ts") == status_ts]
+    assert "extract passed 100 %" in charts, charts  # the milestone carries the extraction's chart
+    assert fake.of("upload") and all(u["png"] for u in fake.of("upload"))
 
 
 @pytest.mark.timeout(120)
