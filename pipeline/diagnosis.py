@@ -131,9 +131,11 @@ class Diagnoser:
     def _activity(self, obs: dict, t: float) -> list[str]:
         """Signs that the stage is working although no progress was counted."""
         signs = []
-        # Work since the last progress only: bytes written just before a hang are not work after it.
+        # Work since the last progress only: bytes written just before a hang are not work after it; and
+        # recent work only: no older than the deadline, or a write seen a tick after the last sample (a scan
+        # that lagged, a last flush) would hold a hang off for the whole activity window.
         since = self.last_progress_at if self.last_progress_at is not None else self.first_t
-        win = self._window(min(self.policy.activity_window_s, max(t - since, 0.0)), t)
+        win = self._window(min(self.policy.activity_window_s, self.deadline(), max(t - since, 0.0)), t)
         if win:
             a, b = win
             if a.written is not None and b.written is not None and b.written > a.written:

@@ -96,13 +96,34 @@ def wait_for(predicate, *, timeout: float = 10.0, interval: float = 0.05, what: 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-@pytest.fixture(scope="session")
-def toy_extraction(tmp_path_factory):
-    """300 samples extracted from the toy server (3 aux + final) and its LM head; shared by the session."""
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A folder every xdist worker of this run shares (the run's base temp when not under xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    return base / name
+
+
+def build_once(path: Path, build) -> Path:
+    """Run `build(path)` once per test run, whichever worker gets there first; the others wait
+    for it. `path` is only read afterwards."""
+    from filelock import FileLock
+
+    with FileLock(str(path) + ".lock", timeout=600):
+        if not (path / ".built").exists():
+            if path.exists():
+                import shutil
+                shutil.rmtree(path)  # a build that failed half-way
+            path.mkdir(parents=True)
+            build(path)
+            (path / ".built").touch()
+    return path
+
+
+def _build_toy_extraction(root: Path) -> None:
     from tests.toy import ToyServer, write_dataset
 
-    root = tmp_path_factory.mktemp("toy-extraction")
-    samples = write_dataset(root / "d.jsonl", 300, lo=32, hi=256, seed=42)
+    write_dataset(root / "d.jsonl", 300, lo=32, hi=256, seed=42)
     server = ToyServer()
     try:
         res = eagle3("extract", "--server", server.url, "--data", str(root / "d.jsonl"), "--out", str(root / "out"),
@@ -111,4 +132,12 @@ def toy_extraction(tmp_path_factory):
     finally:
         server.stop()
     assert eagle3("toy-server", "--export-target", str(root / "target")).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def toy_extraction(tmp_path_factory):
+    """300 samples extracted from the toy server (3 aux + final) and its LM head; built once per run,
+    shared by every worker, read only (tests that change it copy it first)."""
+    root = build_once(shared_dir(tmp_path_factory, "toy-extraction"), _build_toy_extraction)
+    samples = [json.loads(line)["input_ids"] for line in (root / "d.jsonl").read_text().splitlines()]
     return {"out": root / "out", "target": root / "target", "samples": samples, "data": root / "d.jsonl"}

@@ -4,6 +4,7 @@ import pytest
 
 from pipeline.diagnosis import Diagnoser
 from pipeline.simtrace import Scenario, simulate, standard_scenarios
+from pipeline.verdict import Policy
 
 SCENARIOS = {sc.name: sc for sc in standard_scenarios()}
 
@@ -43,3 +44,20 @@ def test_no_false_alarm_with_the_shorter_floor(name, seed):
 def test_a_giant_prompt_is_work_while_the_gpus_are_busy():
     vs = verdicts(simulate(SCENARIOS["giant-prompts"]))
     assert any(v.reasons and "but it is working" in v.reasons[0] and "busy at" in v.reasons[0] for v in vs)
+
+
+def test_a_write_seen_just_after_the_last_progress_does_not_hold_a_hang_off():
+    """A scan that lags a tick (or a last flush) shows bytes growing once after the last sample: the
+    hang must still be flagged a few ticks after the floor, not held off for the whole activity window."""
+    import copy
+
+    trace = simulate(SCENARIOS["server-wedged"])
+    obs = copy.deepcopy(trace.observations)
+    done = [(o.get("progress") or {}).get("done") for o in obs]
+    last = max(i for i in range(1, len(obs)) if done[i] is not None and done[i] != done[i - 1])
+    for o in obs[: last + 1]:
+        o["files"] = {**o["files"], "bytes": o["files"]["bytes"] - 4096}  # the last file shows up one tick late
+    d = Diagnoser(stage=trace.scenario.stage, policy=Policy(stall_floor_s=20))  # a floor below the 60-s activity window
+    vs = [d.feed(o) for o in obs]
+    stalled = next(v for v in vs if v.verdict == "stalled")
+    assert stalled.t - stalled.last_progress_at <= stalled.deadline_s + 3 * trace.scenario.tick_s, stalled.reasons
