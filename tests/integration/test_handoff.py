@@ -29,8 +29,8 @@ def demo_ws(tmp_path: Path, *, train_argv: list[str] | None = None, server_flags
     out = eagle3("init", "--demo", str(tmp_path / "ws"))
     assert out.returncode == 0, out.stderr
     cfg = tmp_path / "ws" / "eagle3.toml"
-    # 40 steps of the real trainer: the handoff is tested here; the demo's own budget in test_demo
-    text = re.sub(r'"--steps", "\d+"', '"--steps", "40"', cfg.read_text())
+    # 10 steps of the real trainer: the handoff is tested here; the demo's own budget in test_demo
+    text = re.sub(r'"--steps", "\d+"', '"--steps", "10"', cfg.read_text())
     if train_argv is not None:
         text = re.sub(r"(\[stages\.train\]\nargv = )\[.*?\]\n", lambda m: m.group(1) + json.dumps(train_argv) + "\n",
                       text, flags=re.S)
@@ -87,7 +87,7 @@ def test_demo_workspace_hands_off_to_real_torchrun_exactly_once(tmp_path):
         assert st["stages"]["extract"]["verdict"] == "done"
         assert len(train_rows(cfg)) == 1
         steps = [json.loads(line)["step"] for line in (cfg.parent / "ckpt" / "progress.jsonl").read_text().splitlines()]
-        assert steps == list(range(1, 41))
+        assert steps == list(range(1, 11))
         for step in ("waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
                      "training-running", "training-done"):
             assert f"auto-start: *{step}*" in output
@@ -102,7 +102,7 @@ def completed_ws(tmp_path):
     cfg = demo_ws(tmp_path, train_argv=fixture_argv("sleeper.py"))
     assert eagle3("start", "server", "--config", str(cfg)).returncode == 0
     assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
-    wait_for(lambda: status(cfg)["stages"]["extract"]["state"] == "exited", timeout=120, what="extraction")
+    wait_for(lambda: status(cfg)["stages"]["extract"]["state"] == "exited", timeout=120, what="extraction", interval=1.0)
     yield cfg
     cleanup(cfg)
 
@@ -150,13 +150,13 @@ def test_kill_9_of_the_service_mid_handoff(completed_ws):
     cfg = completed_ws
     assert eagle3("autostart", "on", "--config", str(cfg)).returncode == 0
     svc = serve(cfg)
-    wait_for(lambda: status(cfg)["autostart"] not in ("armed", "off"), timeout=60, what="handoff to advance")
+    wait_for(lambda: status(cfg)["autostart"] not in ("armed", "off"), timeout=60, what="handoff to advance", interval=1.0)
     os.killpg(svc.pid, signal.SIGKILL)
     svc.wait()
     svc.stdout.close()
     again = serve(cfg)
     try:
-        wait_for(lambda: status(cfg)["autostart"] == "training-running", timeout=90, what="training-running")
+        wait_for(lambda: status(cfg)["autostart"] == "training-running", timeout=90, what="training-running", interval=1.0)
         time.sleep(3)  # a few more ticks: nothing may launch twice
     finally:
         finish(again)
@@ -172,7 +172,7 @@ def test_early_exit_0_never_hands_off(tmp_path):
     try:
         assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
         assert eagle3("autostart", "on", "--config", str(cfg)).returncode == 0
-        wait_for(lambda: status(cfg)["stages"]["extract"]["state"] == "exited", what="early exit")
+        wait_for(lambda: status(cfg)["stages"]["extract"]["state"] == "exited", what="early exit", interval=1.0)
         out = eagle3("serve", "--max-ticks", "4", "--config", str(cfg), timeout=60)
         st = status(cfg)
         assert st["autostart"] == "waiting-for-completion"

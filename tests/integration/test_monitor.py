@@ -33,7 +33,7 @@ def test_serve_observes_progress_and_status_shows_verdict(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         st = wait_for(lambda: (s := status(cfg))["stages"]["extract"].get("verdict") == "done" and s,
-                      timeout=60, what="extract verdict done")
+                      timeout=60, what="extract verdict done", interval=1.0)
         assert st["monitor"] == "running"
         ex = st["stages"]["extract"]
         assert ex["progress_pct"] == 100.0 and ex["done"] == 300 and ex["stuck"] is False
@@ -62,7 +62,7 @@ def test_serve_observes_progress_and_status_shows_verdict(tmp_path):
 def test_status_without_monitor_samples_on_demand(tmp_path):
     cfg = write_cfg(tmp_path, total=100, delay=0.01, exit_at=50)
     assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
-    st = wait_for(lambda: (s := status(cfg))["stages"]["extract"]["state"] == "exited" and s, what="early exit")
+    st = wait_for(lambda: (s := status(cfg))["stages"]["extract"]["state"] == "exited" and s, what="early exit", interval=1.0)
     st = status(cfg)
     assert st["monitor"] == "not running"
     ex = st["stages"]["extract"]
@@ -95,7 +95,7 @@ def test_a_wedged_server_is_a_stall_although_its_requests_are_running(tmp_path):
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             ex = wait_for(lambda: (s := status(cfg)["stages"]["extract"]).get("verdict") == "stalled" and s,
-                          timeout=150, interval=0.5, what="the wedged server to be called a stall")
+                          timeout=150, interval=1.0, what="the wedged server to be called a stall")
         finally:
             serve.send_signal(signal.SIGTERM)
             serve.communicate(timeout=30)

@@ -104,23 +104,26 @@ def test_the_guides_production_path(tmp_path):
             out = eagle3(cfg, *args)
             assert out.returncode == 0, (args, out.stdout, out.stderr)
         serve = start_serve(cfg)
-        wait_for(lambda: status(cfg)["monitor"] == "running", timeout=30, interval=0.2, what="serve to start")
+        wait_for(lambda: status(cfg)["monitor"] == "running", timeout=30, interval=1.0, what="serve to start")
         second = eagle3(cfg, "serve")
         assert second.returncode == 2 and "another `eagle3 serve` (pid" in second.stderr, second.stderr
 
         # Training cannot start (torchrun is not on the service's PATH): bounded, then failed with the cause.
         wait_for(lambda: "launch attempt 1 of 3 failed" in (status(cfg)["autostart_reason"] or ""), timeout=150,
-                 interval=0.2, what="the first failed launch")
+                 interval=1.0, what="the first failed launch")
         off = eagle3(cfg, "autostart", "off")
         assert off.returncode == 0 and off.stdout.startswith("auto-start cancelled"), off.stdout + off.stderr
-        time.sleep(2)
-        assert len(rows(cfg, "SELECT id FROM stage_procs WHERE stage = 'train'")) == 1, "cancelled: no relaunch"
+        # The retry is due 3 s after the first failure; on a loaded machine it may land before the cancel.
+        tried = len(rows(cfg, "SELECT id FROM stage_procs WHERE stage = 'train'"))
+        assert tried in (1, 2)
+        time.sleep(4)  # past the next retry's due time: a cancelled handoff must not take it
+        assert len(rows(cfg, "SELECT id FROM stage_procs WHERE stage = 'train'")) == tried, "cancelled: no relaunch"
         assert eagle3(cfg, "autostart", "on").stdout.startswith("auto-start armed")
-        st = wait_for(lambda: (s := status(cfg))["autostart"] == "failed" and s, timeout=60, interval=0.3,
+        st = wait_for(lambda: (s := status(cfg))["autostart"] == "failed" and s, timeout=60, interval=1.0,
                       what="the handoff to fail")
         assert "training could not be started after 3 attempt(s): cannot start 'torchrun': No such file" in (
             st["autostart_reason"]), st["autostart_reason"]
-        assert len(rows(cfg, "SELECT id FROM stage_procs WHERE stage = 'train'")) == 4
+        assert len(rows(cfg, "SELECT id FROM stage_procs WHERE stage = 'train'")) == tried + 3, "re-armed: 3 tries"
         alerts = rows(cfg, "SELECT data FROM events WHERE kind = 'handoff-alert'")
         assert len(alerts) == 1 and "cannot start 'torchrun'" in alerts[0][0]
         text = eagle3(cfg, "status").stdout
@@ -131,7 +134,7 @@ def test_the_guides_production_path(tmp_path):
         assert eagle3(cfg, "stop", "--all").returncode == 0
         time.sleep(2)
         assert status(cfg)["run"] is None, "stop --all closed the run; nothing opened another"
-        assert len(rows(cfg, "SELECT id FROM stage_procs WHERE stage = 'train'")) == 4
+        assert len(rows(cfg, "SELECT id FROM stage_procs WHERE stage = 'train'")) == tried + 3
         first_output = stop_serve(serve)
         assert "commands and buttons: Slack Socket Mode" in first_output and "Traceback" not in first_output
         assert "token` will be unused" not in first_output
@@ -148,7 +151,7 @@ def test_the_guides_production_path(tmp_path):
         assert run2 and st["autostart"] == "off", "a new run starts with auto-start off"
         armed = eagle3(cfg, "autostart", "on")
         assert armed.stdout.startswith("auto-start armed"), armed.stdout
-        st = wait_for(lambda: (s := status(cfg))["autostart"] == "training-done" and s, timeout=150, interval=0.5,
+        st = wait_for(lambda: (s := status(cfg))["autostart"] == "training-done" and s, timeout=150, interval=1.0,
                       what="the second run to hand off and train")
         assert st["stages"]["server"]["state"] == "stopped" and st["stages"]["train"]["exit_code"] == 0
         assert len((tmp_path / "ws" / "ckpt" / "launches.txt").read_text().splitlines()) == 1
