@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.extract.dataset import scan
-from pipeline.extract.writer import sample_path
+from pipeline.layout import sample_path
 from pipeline.manifest import MANIFEST_NAME, open_readonly
 
 

@@ -1,4 +1,9 @@
-"""Atomic per-sample safetensors files: temp name in the same directory, fsync, rename."""
+"""Atomic per-sample safetensors files: temp name in the same directory, fsync, rename.
+
+Written with numpy and safetensors' own serializer (the one `safetensors.torch.save_file`
+calls), so the extraction client never imports torch (2.4 CPU-s a start) and its files are
+byte for byte what the torch path wrote: bf16 is rounded to nearest even, as torch rounds.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +11,79 @@ import os
 import re
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+import numpy as np
+from safetensors import TensorSpec, serialize_file
+
+from pipeline.layout import sample_path
+
+__all__ = ["DTYPES", "Tensor", "remove_temp_files", "sample_path", "tensors_for", "to_bf16_bits", "write_sample"]
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
 
 
-def sample_path(out: Path, idx: int) -> Path:
-    """OUT/hidden_states/hs_{idx}.safetensors."""
-    return out / "hidden_states" / f"hs_{idx}.safetensors"
+class Tensor:
+    """A tensor to write: safetensors' dtype name and a C-contiguous array holding its bytes
+    (uint16 bit patterns for bfloat16, which numpy has no type for)."""
+
+    __slots__ = ("dtype", "array")
+
+    def __init__(self, dtype: str, array: np.ndarray) -> None:
+        self.dtype, self.array = dtype, np.ascontiguousarray(array)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
 
 
-def tensors_for(*, token_ids: list[int], rows, layers: int, dtype: torch.dtype,
-                topk: tuple[list, list] | None, loss_mask: list[int] | None = None) -> dict[str, torch.Tensor]:
+def to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bit patterns, rounded to nearest even; any NaN → 0xFFFF, as torch 2.13 on CPU
+    converts it (the client refuses non-finite answers before this; the rule is kept for fidelity)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    t = u >> 16
+    t &= 1
+    t += 0x7FFF
+    t += u  # no overflow short of a NaN's bit pattern, which is replaced below
+    t >>= 16
+    bits = t.astype(np.uint16)
+    del t
+    nan = np.isnan(a)
+    if nan.any():
+        bits[nan] = 0xFFFF
+    return bits
+
+
+def _cast(hs: np.ndarray, dtype: str) -> Tensor:
+    if dtype == "bfloat16":
+        return Tensor(dtype, to_bf16_bits(hs))
+    with np.errstate(over="ignore"):  # beyond fp16's range is inf, as torch casts it, without a warning
+        return Tensor(dtype, hs.astype(np.float16 if dtype == "float16" else np.float32, copy=False))
+
+
+def tensors_for(*, token_ids: list[int], rows, layers: int, dtype: str,
+                topk: tuple[list, list] | None, loss_mask: list[int] | None = None) -> dict[str, Tensor]:
     """The sample's tensors: token_ids [seq] int64, hidden_states [seq, L, H] (+ top-K, + loss_mask [seq] uint8).
     `rows`: lists of floats, or a float32 [seq, L·H] array (fastparse), converted alike."""
-    hs = torch.tensor(rows, dtype=torch.float32) if isinstance(rows, list) else torch.from_numpy(rows)
+    hs = np.asarray(rows, dtype=np.float32)
     seq, d = hs.shape
-    out = {"token_ids": torch.tensor(token_ids, dtype=torch.int64),
-           "hidden_states": hs.reshape(seq, layers, d // layers).to(dtype).contiguous()}
+    out = {"token_ids": Tensor("int64", np.asarray(token_ids, dtype=np.int64)),
+           "hidden_states": _cast(hs.reshape(seq, layers, d // layers), DTYPES.get(dtype, dtype))}
     if loss_mask is not None:
-        out["loss_mask"] = torch.tensor(loss_mask, dtype=torch.uint8)
+        out["loss_mask"] = Tensor("uint8", np.asarray(loss_mask, dtype=np.uint8))
     if topk:
-        out["target_topk_ids"] = torch.tensor(topk[0], dtype=torch.int64)
-        out["target_topk_logprobs"] = torch.tensor(topk[1], dtype=torch.float32)
+        out["target_topk_ids"] = Tensor("int64", np.asarray(topk[0], dtype=np.int64))
+        out["target_topk_logprobs"] = Tensor("float32", np.asarray(topk[1], dtype=np.float32))
     return out
 
 
-def write_sample(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+def _save(tensors: dict[str, Tensor], path: str, metadata: dict[str, str]) -> None:
+    specs = {k: TensorSpec(dtype=t.dtype, shape=t.shape, data_ptr=t.array.ctypes.data, data_len=t.array.nbytes)
+             for k, t in tensors.items()}
+    serialize_file(specs, path, metadata=metadata)  # `tensors` keeps the arrays alive meanwhile
+
+
+def write_sample(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> int:
     """Write a safetensors file atomically: temp name in the same directory, fsync, rename.
 
     safetensors writes from its own buffers (no Python bytes copy of a 60 MB sample);
@@ -45,7 +93,7 @@ def write_sample(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         try:
-            save_file(tensors, str(tmp), metadata=metadata)
+            _save(tensors, str(tmp), metadata)
         except Exception as exc:  # SafetensorError: "… (os error 28)"
             found = _OS_ERROR.search(str(exc))
             if not found:

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import UserError
-from pipeline.extract.writer import sample_path
+from pipeline.layout import sample_path
 from pipeline.manifest import MANIFEST_NAME, open_readonly
 
 

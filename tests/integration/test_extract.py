@@ -214,7 +214,7 @@ def test_disk_full_injected_is_clear_and_resumable(toy, tmp_path, monkeypatch):
     from pipeline.extract.client import Options, extract
 
     samples = write_dataset(tmp_path / "d.jsonl", 40, seed=6)
-    real_save, calls = writer.save_file, {"n": 0}
+    real_save, calls = writer.serialize_file, {"n": 0}
 
     def full(tensors, path, metadata=None):
         calls["n"] += 1
@@ -222,7 +222,7 @@ def test_disk_full_injected_is_clear_and_resumable(toy, tmp_path, monkeypatch):
             raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
         return real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(writer, "save_file", full)
+    monkeypatch.setattr(writer, "serialize_file", full)
     opts = Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=2)
     with pytest.raises(UserError, match="No space left on device; free space"):
         extract(opts)
@@ -230,7 +230,7 @@ def test_disk_full_injected_is_clear_and_resumable(toy, tmp_path, monkeypatch):
     assert 0 < len(rows) < 40 and all(r[0] == "done" for r in rows.values())
     files = sorted(p.name for p in (tmp_path / "out" / "hidden_states").iterdir())
     assert files == sorted(f"hs_{i}.safetensors" for i in rows), "every file counted, no temp files"
-    monkeypatch.setattr(writer, "save_file", real_save)  # space freed
+    monkeypatch.setattr(writer, "serialize_file", real_save)  # space freed
     assert extract(opts) == 0
     assert_complete(tmp_path / "out", samples)
 

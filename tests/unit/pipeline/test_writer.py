@@ -1,0 +1,73 @@
+"""The extraction's numpy writer writes what safetensors.torch wrote, byte for byte, without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.extract.writer import tensors_for, to_bf16_bits, write_sample
+from tests.conftest import ROOT
+
+
+def _edge_floats() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    bits = bits[((bits >> 23) & 0xFF) != 0xFF]  # finite patterns, subnormals included
+    ties = (rng.integers(0, 2**16, size=1000, dtype=np.uint32) << 16) | 0x8000  # exactly half way: to even
+    special = np.array([0.0, -0.0, 1.0, -1.0, 3.3895314e38, -3.3895314e38, 1e-45, 65504.0, 65520.0, 1e-8],
+                       dtype=np.float32).view(np.uint32)
+    return np.concatenate([bits, ties, special]).view(np.float32)
+
+
+def _split(path) -> tuple[dict, bytes]:
+    import json
+
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def test_bf16_rounding_is_torchs_bit_for_bit():
+    x = _edge_floats()
+    ours = to_bf16_bits(x)
+    theirs = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(ours, theirs)
+    nan = np.array([np.nan, -np.nan], dtype=np.float32)
+    assert np.array_equal(to_bf16_bits(nan), torch.from_numpy(nan).to(torch.bfloat16).view(torch.int16).numpy()
+                          .view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                               ("fp32", torch.float32)])
+def test_files_are_byte_for_byte_the_torch_writers(tmp_path, dtype, torch_dtype):
+    seq, layers, width = 37, 4, 64
+    rows = _edge_floats()[: seq * layers * width].reshape(seq, layers * width)
+    ids = list(range(seq))
+    mask = [i % 2 for i in range(seq)]
+    topk = ([[i, i + 1] for i in range(seq)], [[-0.5, -1.5]] * seq)
+    meta = {"model": "toy", "layer_ids": "[1, 2, 3]", "id": "s7"}
+    write_sample(tmp_path / "ours.safetensors", tensors_for(token_ids=ids, rows=rows, layers=layers, dtype=dtype,
+                                                            topk=topk, loss_mask=mask), meta)
+    reference = {"token_ids": torch.tensor(ids, dtype=torch.int64),
+                 "hidden_states": torch.from_numpy(rows.copy()).reshape(seq, layers, width).to(torch_dtype).contiguous(),
+                 "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                 "target_topk_ids": torch.tensor(topk[0], dtype=torch.int64),
+                 "target_topk_logprobs": torch.tensor(topk[1], dtype=torch.float32)}
+    save_file(reference, str(tmp_path / "torch.safetensors"), metadata=meta)
+    # safetensors keeps the metadata in a hash map: even two torch writes order it differently. The
+    # header as JSON and every byte after it are the same.
+    ours, theirs = (_split(tmp_path / f"{n}.safetensors") for n in ("ours", "torch"))
+    assert ours[0] == theirs[0] and ours[1] == theirs[1]
+    back = load_file(tmp_path / "ours.safetensors")
+    assert back["hidden_states"].dtype == torch_dtype and back["hidden_states"].shape == (seq, layers, width)
+
+
+def test_the_extraction_client_starts_without_torch():
+    code = "import sys, pipeline.extract.client, bot.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
