@@ -25,10 +25,14 @@ from tests.conftest import ROOT, eagle3, fixture_argv, wait_for
 pytestmark = pytest.mark.timeout(240)
 
 
-def demo_ws(tmp_path: Path, *, train_argv: list[str] | None = None, server_flags: tuple = ()) -> Path:
+def demo_ws(tmp_path: Path, *, train_argv: list[str] | None = None, server_flags: tuple = (), samples: int = 80) -> Path:
+    """`init --demo` with `samples` prompts instead of the demo's 300: the handoff is tested here, not the draft."""
+    from pipeline.demo_workspace import write_dataset
+
     out = eagle3("init", "--demo", str(tmp_path / "ws"))
     assert out.returncode == 0, out.stderr
     cfg = tmp_path / "ws" / "eagle3.toml"
+    write_dataset(cfg.parent / "data.jsonl", samples)
     # 10 steps of the real trainer: the handoff is tested here; the demo's own budget in test_demo
     text = re.sub(r'"--steps", "\d+"', '"--steps", "10"', cfg.read_text())
     if train_argv is not None:
@@ -233,7 +237,8 @@ def test_gpu_release_waits_for_memory_and_times_out_without_launch(tmp_path, hel
 
 
 def test_server_crash_is_restarted_and_extraction_resumes(tmp_path):
-    cfg = demo_ws(tmp_path, train_argv=fixture_argv("sleeper.py"), server_flags=("--crash-after", "120"))
+    cfg = demo_ws(tmp_path, train_argv=fixture_argv("sleeper.py"), server_flags=("--crash-after", "120"),
+                  samples=200)
     try:
         assert eagle3("start", "server", "--config", str(cfg)).returncode == 0
         assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
