@@ -71,15 +71,13 @@ def cmd_check_config(args) -> int:
 def cmd_start(args) -> int:
     from handlers.views import server_holds_gpus_text, train_guard_text
     from pipeline.controller import ServerHoldsGpusError, TrainGuardError
-    ctl = _controller(args)
-    try:
-        proc = ctl.start(args.stage, force=args.force, by=_who())
-    except TrainGuardError as exc:
-        raise UserError(train_guard_text(exc.completion)) from None
-    except ServerHoldsGpusError as exc:
-        raise UserError(server_holds_gpus_text(exc)) from None
-    finally:
-        ctl.close()
+    with _controller(args) as ctl:
+        try:
+            proc = ctl.start(args.stage, force=args.force, by=_who())
+        except TrainGuardError as exc:
+            raise UserError(train_guard_text(exc.completion)) from None
+        except ServerHoldsGpusError as exc:
+            raise UserError(server_holds_gpus_text(exc)) from None
     if proc["pid"] is None:
         raise UserError(f"{args.stage} did not start: {proc['reason']}; see `eagle3 logs {args.stage}`")
     print(f"started {args.stage}: pid {proc['pid']}, run {proc['run_id']}, log {proc['log']}")
@@ -92,11 +90,8 @@ def cmd_start(args) -> int:
 def cmd_autostart(args) -> int:
     from handlers.views import autostart_refused, autostart_text
     on = args.state == "on"
-    ctl = _controller(args)
-    try:
+    with _controller(args) as ctl:
         result = ctl.autostart(on, by=_who())
-    finally:
-        ctl.close()
     if autostart_refused(on, result):
         raise UserError(autostart_text(on, result))
     print(autostart_text(on, result))
@@ -106,11 +101,8 @@ def cmd_autostart(args) -> int:
 @command("remind", "check back later: a reminder with the status after 30m, 1h, … or at the extraction ETA")
 def cmd_remind(args) -> int:
     from handlers.views import clock_time
-    ctl = _controller(args)
-    try:
+    with _controller(args) as ctl:
         r = ctl.remind(args.when, by=_who())
-    finally:
-        ctl.close()
     note = "" if r["monitor_running"] else " (no monitor is running: start `eagle3 serve` so it is delivered)"
     print(f"reminder set for {clock_time(r['due_at'])}{note}")
     return 0
@@ -125,12 +117,9 @@ def cmd_stop(args) -> int:
     from handlers.views import stop_text
     if not args.all and not args.stage:
         raise UserError("stop: name a stage (server, extract, train) or pass --all")
-    ctl = _controller(args)
-    try:
+    with _controller(args) as ctl:
         results = (ctl.stop_all(grace_s=args.grace, by=_who()) if args.all
                    else [ctl.stop(args.stage, grace_s=args.grace, by=_who())])
-    finally:
-        ctl.close()
     for result in results:
         print(stop_text(result))
     return 1 if any(r.survivors for r in results) else 0
@@ -139,22 +128,16 @@ def cmd_stop(args) -> int:
 @command("status", "run id and each stage's state, pid, uptime, exit code, log")
 def cmd_status(args) -> int:
     from handlers.views import status_text
-    ctl = _controller(args)
-    try:
+    with _controller(args) as ctl:
         status = ctl.status()
-    finally:
-        ctl.close()
     print(json.dumps(status) if args.json else status_text(status))
     return 0
 
 
 @command("logs", "print the last lines of a stage's log")
 def cmd_logs(args) -> int:
-    ctl = _controller(args)
-    try:
+    with _controller(args) as ctl:
         path, lines = ctl.logs(args.stage, lines=args.n)
-    finally:
-        ctl.close()
     if not lines:
         print(f"{args.stage}: no output yet in {path}", file=sys.stderr)
     for line in lines:
@@ -169,7 +152,7 @@ def cmd_run_stage(args) -> int:
     return run_stage(ws=load_workspace(find_config(args.config)), stage=args.stage, proc_id=args.proc_id)
 
 
-@command("serve", "run the monitor (and, later, the Slack app) until stopped; stages keep running")
+@command("serve", "run the monitor, the handoff and the Slack app until stopped; stages keep running")
 def cmd_serve(args) -> int:
     import logging
 
@@ -191,11 +174,8 @@ def cmd_diagnose(args) -> int:
     if args.replay:
         return _replay(args)
     from handlers.views import verdict_line
-    ctl = _controller(args)
-    try:
+    with _controller(args) as ctl:
         status = ctl.status()
-    finally:
-        ctl.close()
     for name, st in status["stages"].items():
         print(f"{name}: {st['state']}" + ("\n" + verdict_line(name, st) if st["state"] != "not-started" else ""))
     return 0
@@ -231,17 +211,14 @@ def _replay(args) -> int:
 def cmd_export_trace(args) -> int:
     from pipeline.timeparse import parse_time
     since = parse_time(args.since) if args.since else None
-    ctl = _controller(args)
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
+    import contextlib
+
+    sink = open(args.out, "w", encoding="utf-8") if args.out else contextlib.nullcontext(sys.stdout)  # noqa: SIM115
     count = 0
-    try:
+    with _controller(args) as ctl, sink as out:
         for obs in ctl.store.observations(stage=args.stage, since=since):
             out.write(json.dumps(obs, separators=(",", ":")) + "\n")
             count += 1
-    finally:
-        ctl.close()
-        if args.out:
-            out.close()
     if args.out:
         print(f"wrote {count} observations to {args.out}")
     return 0
@@ -282,11 +259,8 @@ def cmd_train(args) -> int:
 @command("chart", "draw a stage's run as a PNG: progress with the ETA band, rates, loss, GPUs (UTC)")
 def cmd_chart(args) -> int:
     from pipeline.charts import render_run
-    ctl = _controller(args)
-    try:
+    with _controller(args) as ctl:
         out, count, run = render_run(ctl.store, args.stage, out=Path(args.out), run=args.run)
-    finally:
-        ctl.close()
     if out is None:
         raise UserError(f"chart: no observations of {args.stage}" + (f" in run {run}" if run else "") +
                         "; is `eagle3 serve` running?")

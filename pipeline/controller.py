@@ -52,6 +52,12 @@ class Controller:
         if self._owns_store:
             self.store.close()
 
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _check_stage(self, stage: str) -> None:
         if stage not in STAGE_NAMES:
             raise StageError(f"unknown stage {stage!r}; choose one of {', '.join(STAGE_NAMES)}")
