@@ -141,3 +141,40 @@ def toy_extraction(tmp_path_factory):
     root = build_once(shared_dir(tmp_path_factory, "toy-extraction"), _build_toy_extraction)
     samples = [json.loads(line)["input_ids"] for line in (root / "d.jsonl").read_text().splitlines()]
     return {"out": root / "out", "target": root / "target", "samples": samples, "data": root / "d.jsonl"}
+
+
+# The longest tests start first, one per worker, so that none of them begins last and holds the run's
+# end (measured on 2 cores). xdist's `load` scheduler hands each worker two tests to begin with, then
+# one more whenever it is down to one: a short test goes second in each of the first pairs, so that
+# two long ones never share a worker's opening.
+LONGEST_FIRST = (
+    "test_demo.py::test_demo_tells_the_whole_story",
+    "test_handoff.py::test_service_death_at_each_step",
+    "test_production_path.py::test_the_guides_production_path",
+    "test_train.py::test_torchrun_80_steps",
+    "test_handoff.py::test_demo_workspace_hands_off_to_real_torchrun",
+    "test_drills.py::test_kill_9_of_serve",
+    "test_train.py::test_sigterm_then_resume",
+    "test_handoff.py::test_server_crash_is_restarted",
+    "test_handoff.py::test_kill_9_of_the_service_mid_handoff",
+    "test_extract.py::test_concurrency_is_held",
+    "test_handoff.py::test_double_arm",
+    "test_drills.py::test_server_crash_mid_extraction",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next((i for i, key in enumerate(LONGEST_FIRST) if key in item.nodeid), len(LONGEST_FIRST))
+
+    ranked = sorted(items, key=rank)  # stable: everything else in collection order
+    longest = [it for it in ranked if rank(it) < len(LONGEST_FIRST)]
+    rest = ranked[len(longest):]
+    workers = config.getoption("numprocesses", default=None) or 0
+    workers = workers if isinstance(workers, int) else 0
+    order = []
+    for i, item in enumerate(longest):
+        order.append(item)
+        if i < workers and rest:
+            order.append(rest.pop(0))
+    items[:] = order + rest
