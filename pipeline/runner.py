@@ -1,4 +1,5 @@
-"""`eagle3 run-stage`: the small detached runner that owns one stage process.
+"""The small detached runner that owns one stage process (`python -m pipeline.runner`, which the
+supervisor starts; `eagle3 run-stage` is the same).
 
 It starts the stage in a new session (so its process group can be signalled as a
 whole), copies its output into the rotating stage log, forwards SIGTERM to the
@@ -79,3 +80,23 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
     record_exit(store, proc_id, returncode=returncode, now=host.clock())
     log.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.runner --config FILE --stage STAGE --proc-id N`."""
+    import argparse
+
+    from pipeline.config import STAGE_NAMES, find_config, load_workspace
+
+    p = argparse.ArgumentParser(prog="python -m pipeline.runner", description="the detached runner of one stage")
+    p.add_argument("--config", required=True)
+    p.add_argument("--stage", required=True, choices=STAGE_NAMES)
+    p.add_argument("--proc-id", required=True, type=int)
+    args = p.parse_args(argv)
+    return run_stage(ws=load_workspace(find_config(args.config)), stage=args.stage, proc_id=args.proc_id)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -115,7 +115,7 @@ class Supervisor:
                 "log": str(self.ws.log_path(stage)), "started_at": self.host.clock(), "stop_requested": 0,
             })
             self.store.add_event(kind="stage-start-requested", run_id=run_id, stage=stage, data={"argv": argv})
-        runner_argv = [sys.executable, "-m", "bot.cli", "run-stage", "--config", str(self.ws.path),
+        runner_argv = [sys.executable, "-m", "pipeline.runner", "--config", str(self.ws.path),
                        "--stage", stage, "--proc-id", str(proc_id)]
         runner_pid = self.host.spawn_detached(runner_argv, cwd=str(self.ws.root))
         self.store.update_proc(proc_id, runner_pid=runner_pid, runner_create_time=self.host.create_time(runner_pid))

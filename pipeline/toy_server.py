@@ -207,3 +207,13 @@ def serve(opts: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+if __name__ == "__main__":  # python -m pipeline.toy_server: the flags of `eagle3 toy-server`
+    import sys
+
+    from pipeline.toy_args import add_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m pipeline.toy_server")
+    add_arguments(parser)
+    sys.exit(serve(parser.parse_args()))

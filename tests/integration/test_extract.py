@@ -35,6 +35,14 @@ def manifest_rows(out: Path) -> dict[int, tuple]:
     return rows
 
 
+def rows_so_far(out: Path) -> int:
+    """Manifest rows of a running extraction: 0 until its manifest and table exist."""
+    try:
+        return len(manifest_rows(out)) if (out / "manifest.sqlite").exists() else 0
+    except sqlite3.OperationalError:  # created, not yet migrated
+        return 0
+
+
 def assert_complete(out: Path, samples: list) -> None:
     """Every good sample done exactly once with a valid file; malformed ones failed; nothing else on disk."""
     rows = manifest_rows(out)
@@ -83,8 +91,7 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path):
         out = tmp_path / "out"
         proc = spawn_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4")
         try:
-            wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 40, timeout=60,
-                     what="40 samples")
+            wait_for(lambda: rows_so_far(out) >= 40, timeout=60, what="40 samples")
         finally:
             proc.kill()
             proc.wait()
@@ -292,8 +299,7 @@ def test_sigterm_finishes_cleanly_and_resumes(tmp_path):
         out = tmp_path / "out"
         proc = spawn_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4")
         try:
-            wait_for(lambda: (out / "manifest.sqlite").exists() and len(manifest_rows(out)) >= 20, timeout=60,
-                     what="20 samples")
+            wait_for(lambda: rows_so_far(out) >= 20, timeout=60, what="20 samples")
         except AssertionError:
             proc.kill()
             raise

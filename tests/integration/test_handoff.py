@@ -116,6 +116,7 @@ STEPS = ["armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-
 
 def test_service_death_at_each_step_resumes_and_launches_once(completed_ws):
     cfg = completed_ws
+    cfg.write_text(cfg.read_text().replace("tick_s = 1\n", "tick_s = 0.3\n"))  # 7 restarts: short ticks
     ws = load_workspace(cfg)
     for i, step in enumerate(STEPS + ["launching-training+row", "launching-training+orphan"]):
         # The world as the dead service left it: the server still up before the stop step, stopped after it.
@@ -137,7 +138,7 @@ def test_service_death_at_each_step_resumes_and_launches_once(completed_ws):
                                "state": "running", "argv": "[]", "started_at": time.time() - 11,
                                "stop_requested": 0})
         store.close()
-        out = eagle3("serve", "--max-ticks", "8", "--config", str(cfg), timeout=120)
+        out = eagle3("serve", "--max-ticks", "24", "--config", str(cfg), timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
         st = status(cfg)
         assert st["autostart"] == "training-running", (step, st["autostart_reason"], out.stdout)

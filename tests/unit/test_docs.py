@@ -113,3 +113,14 @@ def test_the_guides_journal_lines_are_what_serve_prints(tmp_path):
     assert 'log.info("slack: Socket Mode connected")' in (ROOT / "bot" / "service.py").read_text()
     head, tail = retry_line.split(" (", 1)[0], retry_line.rsplit(";", 1)[1]
     assert any(line.startswith(head + " (URLError:") and line.endswith(tail) for line in printed), printed
+
+
+def test_the_architecture_page_names_only_modules_that_exist():
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"\b((?:bot|handlers|pipeline|tests)/[\w/]*\w(?:\.py)?/?)", text))
+    assert len(named) >= 20, "the page names the modules of each layer"
+    missing = sorted(n for n in named if not (ROOT / n).exists())
+    assert missing == [], f"docs/architecture.md names modules that do not exist: {missing}"
+    assert "(docs/architecture.md)" in README

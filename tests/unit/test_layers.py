@@ -12,6 +12,23 @@ FORBIDDEN = {
 }
 
 
+def started_modules(path: Path) -> set[str]:
+    """Root packages of modules started as `python -m MODULE` in argv lists this file builds."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.List):
+            items = [e.value if isinstance(e, ast.Constant) and isinstance(e.value, str) else None for e in node.elts]
+            roots.update(m.split(".")[0] for flag, m in zip(items, items[1:], strict=False) if flag == "-m" and m)
+    return roots
+
+
+# The demo's eagle3.toml is the user's configuration, written the way the operator guide shows stage
+# commands (`python -m bot.cli toy-server`, `… extract`): what the user's service runs, not an arrow
+# from pipeline/ up into bot/.
+USER_CONFIG = {"pipeline/demo_workspace.py"}
+
+
 def imported_roots(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     roots = set()
@@ -30,6 +47,21 @@ def test_package_never_imports_upward(package):
         for path in (ROOT / package).rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_never_starts_a_module_of_an_upper_layer(package):
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(started_modules(path) & FORBIDDEN[package])
+        for path in (ROOT / package).rglob("*.py") if str(path.relative_to(ROOT)) not in USER_CONFIG
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_scanner_sees_started_modules(tmp_path):
+    sample = tmp_path / "x.py"
+    sample.write_text('argv = [sys.executable, "-m", "bot.cli", "run-stage"]\nother = ["-m"]\n')
+    assert started_modules(sample) == {"bot"}
 
 
 def test_scanner_sees_imports(tmp_path):
