@@ -104,7 +104,7 @@ def _same_files(a: Path, b: Path) -> bool:
 
 
 RUNS = [  # (label, samples, extra flags)
-    ("json.loads, no budget (before)", 8, ["--parser", "json", "--concurrency", "8", "--max-inflight-gb", "1000"]),
+    ("json.loads parser (the path before issue 17), no budget", 8, ["--parser", "json", "--concurrency", "8", "--max-inflight-gb", "1000"]),
     ("fast, no budget", 8, ["--concurrency", "8", "--max-inflight-gb", "1000"]),
     ("fast, budget 1 GB", 8, ["--concurrency", "8", "--max-inflight-gb", "1"]),
     ("fast, budget 1 GB, concurrency 1", 8, ["--concurrency", "1", "--max-inflight-gb", "1"]),
