@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.drills import harness
+from bench import drill_harness as harness
 
 pytestmark = pytest.mark.slow
 

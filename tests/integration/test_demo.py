@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.fake_slack import FakeSlack
 from tests.conftest import ROOT
-from tests.scenario.fake_slack import FakeSlack
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ from urllib.parse import urlencode
 
 import httpx
 
+from bench.fake_slack import FakeSlack
 from bot.app import build_app, serve_http
 from pipeline.config import load_workspace
 from tests.conftest import eagle3, fixture_argv, wait_for
-from tests.scenario.fake_slack import FakeSlack
 
 SECRET = "test-signing-secret"
 

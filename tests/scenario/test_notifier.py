@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from bench.fake_slack import FakeSlack
 from bot.app import slack_client
 from bot.notifier import Notifier
 from pipeline.config import Workspace, parse_config
 from pipeline.store import Store
-from tests.scenario.fake_slack import FakeSlack
 
 pytestmark = pytest.mark.timeout(60)
 

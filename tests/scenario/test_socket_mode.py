@@ -9,11 +9,11 @@ import time
 
 import pytest
 
+from bench.fake_slack import FakeSlack
 from bot.service import Inputs
 from pipeline.config import load_workspace
 from pipeline.store import Store
 from tests.conftest import fixture_argv, wait_for
-from tests.scenario.fake_slack import FakeSlack
 from tests.scenario.fake_socket import FakeSocketMode
 
 pytestmark = pytest.mark.timeout(90)

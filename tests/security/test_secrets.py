@@ -12,8 +12,8 @@ from urllib.parse import urlencode
 
 import pytest
 
+from bench.fake_slack import FakeSlack
 from tests.conftest import ROOT, eagle3, fixture_argv, wait_for
-from tests.scenario.fake_slack import FakeSlack
 from tests.scenario.slack_kit import (
     click,
     command,

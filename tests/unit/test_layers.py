@@ -77,3 +77,8 @@ def test_status_path_does_not_import_torch():
             "print(sorted(m for m in ('torch', 'sglang') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_bench_imports_no_test_code():
+    offenders = {str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.py") if "tests" in imported_roots(p)}
+    assert offenders == set()
