@@ -132,6 +132,13 @@ class DrillWorkspace:
     def pending(self) -> int:
         return len(self.query("SELECT id FROM outbox WHERE status = 'pending' AND channel = ?", (CHANNEL,)))
 
+    def finished_and_told(self) -> bool:
+        """Extraction done, its 100 % milestone (a chart upload, drawn at delivery) sent, nothing pending.
+        The milestone is queued a tick after the verdict: `done` with an empty outbox is not the end yet."""
+        done = (self.kv("verdict:extract") or {}).get("verdict") == "done"
+        told = self.query("SELECT id FROM outbox WHERE status = 'sent' AND text LIKE ?", ("%extract passed 100 %",))
+        return done and bool(told) and self.pending() == 0
+
     def leftovers(self) -> list[str]:
         out = []
         for p in psutil.process_iter(["pid", "cmdline"]):
@@ -298,8 +305,8 @@ def server_crash(base: Path, *, trials: int, seed: int = 2) -> Tally:
             time.sleep(2.0)  # the notifier's cursor is set before anything happens
             ws.cli("start", "server")
             ws.cli("start", "extract")
-            if not wait(lambda ws=ws: (ws.kv("verdict:extract") or {}).get("verdict") in ("done", "dead")
-                        and ws.pending() == 0, timeout=180):
+            if not wait(lambda ws=ws: ws.finished_and_told()
+                        or (ws.kv("verdict:extract") or {}).get("verdict") == "dead", timeout=180):
                 tally.problem(trial, f"extraction did not finish: {ws.kv('verdict:extract')}")
             restarts = ws.procs("server") - 1
             tally.faults += restarts
@@ -382,8 +389,7 @@ def disk_full(base: Path, *, trials: int) -> Tally:
             # The on-failure policy (1 s backoff in the demo config) may have restarted it first.
             if r.returncode and "extract is already running" not in r.stderr:
                 tally.problem(trial, f"restart refused: {r.stderr.strip()}")
-            if not wait(lambda ws=ws: (ws.kv("verdict:extract") or {}).get("verdict") == "done" and ws.pending() == 0,
-                        timeout=120):
+            if not wait(ws.finished_and_told, timeout=120):
                 tally.problem(trial, f"did not resume to done: {ws.kv('verdict:extract')}")
             ws.terminate(svc)
             ws.check_outcome(tally, trial, fake)
