@@ -424,7 +424,7 @@ class Extractor:
             self.json_bpf = max(self.json_bpf if self.width else 0.0, size / max(1, len(ids) * width))
         self.width = self.width or width
         topk = topk_rows(meta, seq=len(ids), k=p.topk) if p.topk else None
-        tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=self.o.dtype, topk=topk,
+        tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=DTYPES[self.o.dtype], topk=topk,
                               loss_mask=job.loss_mask)
         metadata = {"model": p.model, "layer_ids": json.dumps(p.layer_ids), "layer_convention": LAYER_CONVENTION,
                     "final_layer": "present" if p.final_present else "absent", "id": "" if sid is None else sid}
