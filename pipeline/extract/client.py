@@ -189,9 +189,7 @@ class Extractor:
                 tasks += [asyncio.create_task(self._requester(client)) for _ in range(self.o.concurrency)]
                 tasks += [asyncio.create_task(self._storer()) for _ in range(STORE_WORKERS)]
                 await self._until_finished()
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await end_tasks(tasks)
         manifest.set_meta({"inflight_bytes": 0})
         manifest.close()
         self.progress.final()
@@ -248,6 +246,9 @@ class Extractor:
             await self._wait_for_server(client)
             if self._ending() or not await self._admit(job):
                 continue
+            if self._ending():  # the run ended while this sample waited for room in the budget
+                self._release(job)
+                continue
             job.attempts += 1
             self.inflight += 1
             try:
@@ -290,11 +291,7 @@ class Extractor:
             if self._ending():
                 self.jobs.put_nowait(job)
                 return False
-            freed = self.freed
-            try:
-                await asyncio.wait_for(freed.wait(), 0.5)
-            except TimeoutError:
-                pass
+            await wait_at_most(self.freed, 0.5)
         self.inflight_bytes += need
         job.reserved = need
         if need > self.budget and self.width and job.idx not in self.warned_large:
@@ -424,7 +421,7 @@ class Extractor:
             self.json_bpf = max(self.json_bpf if self.width else 0.0, size / max(1, len(ids) * width))
         self.width = self.width or width
         topk = topk_rows(meta, seq=len(ids), k=p.topk) if p.topk else None
-        tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=DTYPES[self.o.dtype], topk=topk,
+        tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=self.o.dtype, topk=topk,
                               loss_mask=job.loss_mask)
         metadata = {"model": p.model, "layer_ids": json.dumps(p.layer_ids), "layer_convention": LAYER_CONVENTION,
                     "final_layer": "present" if p.final_present else "absent", "id": "" if sid is None else sid}
@@ -472,6 +469,31 @@ class Extractor:
         if not self.stopping.is_set():
             self.fatal = UserError(f"server {self.o.server} unreachable for {self.o.server_wait_s:.0f} s; "
                                    "the manifest is consistent — restart the server and rerun to resume")
+
+
+async def wait_at_most(event: asyncio.Event, seconds: float) -> None:
+    """Wait for the event or the time, whichever comes first, and let a cancellation through.
+    Python 3.11's `asyncio.wait_for` returns normally when the task is cancelled in the same loop
+    iteration as the event is set (the budget given back by a storer that is being cancelled):
+    the cancellation is lost and the requester goes on to wait for a job that never comes."""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        pass
+
+
+async def end_tasks(tasks: list[asyncio.Task], *, grace_s: float = 1.0) -> None:
+    """Cancel the workers and wait until each has ended, cancelling again any that is still running
+    after `grace_s` (a cancellation swallowed by a library must not hang the run's end)."""
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=grace_s)
+    for t in tasks:  # retrieve the outcomes, so that none is logged as "never retrieved"
+        if not t.cancelled():
+            t.exception()
 
 
 def _http_reason(exc: Exception) -> str:

@@ -1,0 +1,63 @@
+"""The extraction's event-loop helpers: a cancellation is never lost, and the run's end never hangs."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.extract.client import end_tasks, wait_at_most
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_cancel_that_arrives_with_the_event_is_not_lost():
+    # The race that hung an extraction: a storer, being cancelled, gives its budget back (the event
+    # is set) in the same loop iteration as the requester waiting for it is cancelled.
+    async def main():
+        ev = asyncio.Event()
+        t = asyncio.create_task(wait_at_most(ev, 5.0))
+        await asyncio.sleep(0.01)
+        ev.set()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+
+    asyncio.run(main())
+
+
+def test_the_wait_ends_at_its_time_or_at_the_event():
+    async def main():
+        ev = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await wait_at_most(ev, 0.05)
+        assert 0.04 <= loop.time() - t0 < 1.0
+        loop.call_later(0.01, ev.set)
+        t0 = loop.time()
+        await wait_at_most(ev, 5.0)
+        assert loop.time() - t0 < 1.0
+
+    asyncio.run(main())
+
+
+def test_ending_the_workers_cancels_again_one_that_swallowed_the_first_cancel():
+    async def stubborn(started: asyncio.Event):
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            pass  # what Python 3.11's wait_for does in the race above
+        await asyncio.sleep(60)  # and then waits for a job that never comes
+
+    async def failed():
+        raise RuntimeError("a worker that died")
+
+    async def main():
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(stubborn(started)), asyncio.create_task(failed()),
+                 asyncio.create_task(asyncio.sleep(60))]
+        await started.wait()
+        await asyncio.wait_for(end_tasks(tasks, grace_s=0.1), 10)
+        assert all(t.done() for t in tasks)
+
+    asyncio.run(main())
