@@ -64,11 +64,12 @@ def _cast(hs: np.ndarray, dtype: str) -> Tensor:
 def tensors_for(*, token_ids: list[int], rows, layers: int, dtype: str,
                 topk: tuple[list, list] | None, loss_mask: list[int] | None = None) -> dict[str, Tensor]:
     """The sample's tensors: token_ids [seq] int64, hidden_states [seq, L, H] (+ top-K, + loss_mask [seq] uint8).
-    `rows`: lists of floats, or a float32 [seq, L·H] array (fastparse), converted alike."""
+    `rows`: lists of floats, or a float32 [seq, L·H] array (fastparse), converted alike. `dtype`: a name
+    DTYPES knows (`--dtype`'s: bf16, fp16, fp32, or safetensors' own)."""
     hs = np.asarray(rows, dtype=np.float32)
     seq, d = hs.shape
     out = {"token_ids": Tensor("int64", np.asarray(token_ids, dtype=np.int64)),
-           "hidden_states": _cast(hs.reshape(seq, layers, d // layers), DTYPES.get(dtype, dtype))}
+           "hidden_states": _cast(hs.reshape(seq, layers, d // layers), DTYPES[dtype])}
     if loss_mask is not None:
         out["loss_mask"] = Tensor("uint8", np.asarray(loss_mask, dtype=np.uint8))
     if topk:
