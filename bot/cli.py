@@ -231,7 +231,7 @@ def cmd_extract(args) -> int:
                            max_retries=args.max_retries, mode=args.mode, layers=args.layers,
                            target_topk=args.target_topk, dtype=args.dtype, dump_field=args.dump_field,
                            server_wait_s=args.server_wait, force=args.force, parser=args.parser,
-                           max_inflight_gb=args.max_inflight_gb))
+                           max_inflight_gb=args.max_inflight_gb, parse_workers=args.parse_workers))
 
 
 @command("verify", "open random extracted files and check keys, shapes, token ids and finiteness")
@@ -341,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dump-field", default="hidden_states_path", help="dump mode: meta_info field naming the file")
     e.add_argument("--server-wait", type=float, default=600.0, help="seconds to wait for an unreachable server")
     e.add_argument("--force", action="store_true", help="continue into an OUT made from another dataset")
+    e.add_argument("--parse-workers", type=int, metavar="N",
+                   help="processes that parse, check and write the answers, so that parsing is not capped at one "
+                        "core (default: cores - 1; 0: threads inside the client)")
     e.add_argument("--max-inflight-gb", type=float, metavar="G",
                    help="memory for answers in flight: a request waits until its answer fits (default: a quarter of "
                         "the memory available at start)")

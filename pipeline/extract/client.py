@@ -9,8 +9,8 @@ policy may be bringing it back) instead of burning the samples' retries.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
+import os
 import signal
 import sqlite3
 import sys
@@ -23,25 +23,14 @@ import httpx
 from pipeline.errors import UserError
 from pipeline.extract import dataset as ds
 from pipeline.extract import fastparse
+from pipeline.extract.parse_worker import ParseWorker, WorkerDied
 from pipeline.extract.preflight import Plan, fetch_info, plan
 from pipeline.extract.progress_line import ProgressLine
-from pipeline.extract.response import BadResponse, check_rows, prefill_rows, topk_rows
-from pipeline.extract.writer import (
-    DTYPES,
-    remove_temp_files,
-    sample_path,
-    tensors_for,
-    write_sample,
-)
+from pipeline.extract.response import BadResponse
+from pipeline.extract.storing import LAYER_CONVENTION, DiskError, Stored, StoreSpec, store_answer
+from pipeline.extract.writer import DTYPES, remove_temp_files, sample_path
 from pipeline.manifest import Manifest
 from pipeline.verdict import fmt_bytes
-
-DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES}
-LAYER_CONVENTION = "sglang-layer-input"  # aux state i is the input of layer i
-
-
-class DiskError(Exception):
-    """The output cannot be written: the run stops, resumable once fixed."""
 
 
 @dataclass
@@ -63,6 +52,16 @@ class Options:
     timeout_s: float = 600.0
     parser: str = "fast"  # "json": json.loads for every answer (the slow path, kept to compare against)
     max_inflight_gb: float | None = None  # None: a quarter of the memory available at start
+    parse_workers: int | None = None  # processes that parse and write; 0: threads in the client; None: cores - 1
+
+
+def default_parse_workers() -> int:
+    """One parse worker per core the client may use, less one for the client's own request loop."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(0, cores - 1)
 
 
 STORE_WORKERS = 4
@@ -105,6 +104,10 @@ class Extractor:
                      "(pip install pysimdjson)")
             opts.parser = "json"
         self.budget = self._budget()
+        self.n_workers = default_parse_workers() if opts.parse_workers is None else opts.parse_workers
+        if self.n_workers < 0:
+            raise UserError(f"--parse-workers {self.n_workers}: give 0 (parse in the client's threads) or a number "
+                            "of processes, e.g. 3")
         self.inflight_bytes = 0.0
         self.warned_large: set[int] = set()
         self._published = 0.0
@@ -172,6 +175,8 @@ class Extractor:
             self.width = int(manifest.meta()["hidden_size"]) * p.layers
             self.hidden_recorded = True
         self.data, self.plan, self.manifest = data, p, manifest
+        self.spec = StoreSpec(out=self.o.out, mode=self.o.mode, parser=self.o.parser, dtype=self.o.dtype,
+                              dump_field=self.o.dump_field, plan=p)
         self.progress = ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
                                      tokens_total=data.tokens_total, tokens_left=sum(data.tokens[i] for i in todo),
                                      tokens_sq_left=sum(data.tokens[i] ** 2 for i in todo))
@@ -183,13 +188,24 @@ class Extractor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
         limits = httpx.Limits(max_connections=self.o.concurrency, max_keepalive_connections=self.o.concurrency)
-        with open(self.o.data, "rb") as fh:
-            async with httpx.AsyncClient(base_url=self.o.server, timeout=self.o.timeout_s, limits=limits) as client:
-                tasks = [asyncio.create_task(self._feed(fh, todo))]
-                tasks += [asyncio.create_task(self._requester(client)) for _ in range(self.o.concurrency)]
-                tasks += [asyncio.create_task(self._storer()) for _ in range(STORE_WORKERS)]
-                await self._until_finished()
-                await end_tasks(tasks)
+        n = self.n_workers
+        self.say(f"parsing and writing in {n} worker process(es)" + (" (one per core, less one for requests; "
+                 "--parse-workers to change)" if self.o.parse_workers is None else "") if n else
+                 f"parsing and writing in {STORE_WORKERS} threads of the client (--parse-workers 0)")
+        self.workers: list[ParseWorker] = []
+        try:
+            self.workers += [self._start_worker() for _ in range(n)]
+            with open(self.o.data, "rb") as fh:
+                async with httpx.AsyncClient(base_url=self.o.server, timeout=self.o.timeout_s, limits=limits) as client:
+                    tasks = [asyncio.create_task(self._feed(fh, todo))]
+                    tasks += [asyncio.create_task(self._requester(client)) for _ in range(self.o.concurrency)]
+                    storers = range(len(self.workers)) if self.workers else [None] * STORE_WORKERS
+                    tasks += [asyncio.create_task(self._storer(k)) for k in storers]
+                    await self._until_finished()
+                    await end_tasks(tasks)
+        finally:
+            for w in self.workers:
+                w.close()
         manifest.set_meta({"inflight_bytes": 0})
         manifest.close()
         self.progress.final()
@@ -330,7 +346,8 @@ class Extractor:
                 self.on_request(-1, time.monotonic())
         return content
 
-    async def _storer(self) -> None:
+    async def _storer(self, k: int | None) -> None:
+        """Take answers and store them: in a thread (k None) or through parse worker k."""
         while True:
             job, content = await self.answers.get()
             box = [content]  # _store takes the answer out of the box, so its memory goes when it is parsed
@@ -342,13 +359,23 @@ class Extractor:
                 continue  # abandoned: not recorded, so it is extracted on resume
             self.writing += 1
             try:
+                fields = {"idx": job.idx, "ids": job.ids, "sid": job.sid, "loss_mask": job.loss_mask,
+                          "width": self.width}
                 try:
-                    nbytes = await asyncio.to_thread(self._store, box, job, self.plan)
+                    if k is None:
+                        stored = await asyncio.to_thread(store_answer, self.spec, box, **fields)
+                    else:
+                        stored = _from_worker(await asyncio.to_thread(self.workers[k].store, box, **fields))
                 finally:
                     self.writing -= 1
                     box.clear()
                     self._release(job)
-                self._finish(job, "done", nbytes=nbytes)
+                self._stored(job, stored)
+            except WorkerDied as exc:
+                self.workers[k] = self._start_worker()
+                self.say(f"warning: {exc} while storing sample {job.idx}; started another (pid "
+                         f"{self.workers[k].pid}), the sample is tried again")
+                self._retry(job, str(exc), retryable=True)
             except BadResponse as exc:
                 self._retry(job, exc.reason, retryable=exc.retry)
             except DiskError as exc:
@@ -399,60 +426,17 @@ class Extractor:
             except sqlite3.Error:
                 pass
 
-    def _store(self, box: list, job: _Job, p: Plan) -> int:
-        idx, ids, sid = job.idx, job.ids, job.sid
-        content = box.pop()
-        fast = None
-        if self.o.mode != "dump" and self.o.parser == "fast":
-            try:
-                fast = fastparse.split(content)
-            except ValueError:  # the rest of the answer is not JSON: json.loads below says so
-                fast = None
-        try:
-            answer = fast[0] if fast else json.loads(content)
-            meta = answer["meta_info"]
-        except (ValueError, KeyError, TypeError):
-            raise BadResponse("the server's answer is not SGLang's /generate JSON") from None
-        size = len(content)
-        del content  # the answer's text is no longer needed: its memory goes back before the write
-        rows = fast[1] if fast else self._rows(meta, p)
-        width = check_rows(rows, seq=len(ids), layers=p.layers, width=self.width, chunk=p.chunk)
+    def _stored(self, job: _Job, stored: Stored) -> None:
+        """A sample's file is written: learn the row width and the answer's size a float, record it."""
         if self.o.mode != "dump":
-            self.json_bpf = max(self.json_bpf if self.width else 0.0, size / max(1, len(ids) * width))
-        self.width = self.width or width
-        topk = topk_rows(meta, seq=len(ids), k=p.topk) if p.topk else None
-        tensors = tensors_for(token_ids=ids, rows=rows, layers=p.layers, dtype=self.o.dtype, topk=topk,
-                              loss_mask=job.loss_mask)
-        metadata = {"model": p.model, "layer_ids": json.dumps(p.layer_ids), "layer_convention": LAYER_CONVENTION,
-                    "final_layer": "present" if p.final_present else "absent", "id": "" if sid is None else sid}
-        try:
-            return write_sample(sample_path(self.o.out, idx), tensors, metadata)
-        except OSError as exc:
-            if exc.errno in DISK_ERRNOS:
-                raise DiskError(f"cannot write {self.o.out / 'hidden_states'}: {exc.strerror}; free space or fix "
-                                "permissions, then run the same command to resume") from None
-            raise
-        finally:
-            self._drop_dump(meta)
+            self.json_bpf = max(self.json_bpf if self.width else 0.0,
+                                stored.answer_bytes / max(1, len(job.ids) * stored.width))
+        self.width = self.width or stored.width
+        self._finish(job, "done", nbytes=stored.nbytes)
 
-    def _rows(self, meta: dict, p: Plan) -> list:
-        if self.o.mode != "dump":
-            return prefill_rows(meta)
-        from safetensors.torch import load_file
+    def _start_worker(self) -> ParseWorker:
+        return ParseWorker(self.spec)
 
-        path = meta.get(self.o.dump_field)
-        if not isinstance(path, str):
-            raise BadResponse(f"dump mode: meta_info.{self.o.dump_field} missing")
-        try:
-            hs = load_file(path)["hidden_states"]
-        except (OSError, KeyError, Exception) as exc:  # noqa: BLE001 - any unreadable dump is a bad answer
-            raise BadResponse(f"dump file {path} unreadable ({type(exc).__name__})") from None
-        return hs.reshape(hs.shape[0], -1).float().tolist()
-
-    def _drop_dump(self, meta: dict) -> None:
-        path = meta.get(self.o.dump_field) if self.o.mode == "dump" else None
-        if isinstance(path, str):
-            Path(path).unlink(missing_ok=True)
 
     async def _wait_for_server(self, client) -> None:
         if self.server_up.is_set():
@@ -494,6 +478,21 @@ async def end_tasks(tasks: list[asyncio.Task], *, grace_s: float = 1.0) -> None:
     for t in tasks:  # retrieve the outcomes, so that none is logged as "never retrieved"
         if not t.cancelled():
             t.exception()
+
+
+class WorkerError(Exception):
+    """A parse worker's unexpected error (its type and message, as the worker told it)."""
+
+
+def _from_worker(reply: dict) -> Stored:
+    """A parse worker's reply as store_answer's outcome: the Stored, or the same exception."""
+    if "ok" in reply:
+        return Stored(**reply["ok"])
+    if "bad" in reply:
+        raise BadResponse(reply["bad"], retry=reply["retry"])
+    if "disk" in reply:
+        raise DiskError(reply["disk"])
+    raise WorkerError(reply.get("error", f"unreadable reply {reply!r}"[:300]))
 
 
 def _http_reason(exc: Exception) -> str:

@@ -12,7 +12,9 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT, eagle3, wait_for
@@ -84,25 +86,64 @@ def test_few_hundred_samples_load_and_match(toy, tmp_path):
     assert eagle3("verify", str(tmp_path / "out"), "--sample", "50").returncode == 0
 
 
+def _workers(proc) -> set[int]:
+    """The parse workers of a running client (its `python -m pipeline.extract.parse_worker` children)."""
+    try:
+        return {c.pid for c in psutil.Process(proc.pid).children() if "pipeline.extract.parse_worker" in c.cmdline()}
+    except psutil.Error:
+        return set()
+
+
 def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path):
+    # Also: a parse worker killed mid-run is replaced and its sample tried again; the workers die with
+    # a client killed by SIGKILL; a run resumed with the client's threads picks up what the workers wrote.
     server = ToyServer("--latency-ms", "20")
     try:
         samples = write_dataset(tmp_path / "d.jsonl", 200, seed=1)
         out = tmp_path / "out"
-        proc = spawn_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4")
+        proc = spawn_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4", "--parse-workers", "2")
         try:
-            wait_for(lambda: rows_so_far(out) >= 40, timeout=60, what="40 samples")
+            wait_for(lambda: rows_so_far(out) >= 20 and len(_workers(proc)) == 2, timeout=60, what="20 samples")
+            first = _workers(proc)
+            victim = min(first)
+            psutil.Process(victim).kill()
+            wait_for(lambda: rows_so_far(out) >= 40 and len(_workers(proc) - first) == 1, timeout=60,
+                     what="40 samples and a new parse worker")
+            workers = _workers(proc)
         finally:
             proc.kill()
             proc.wait()
+        _, alive = psutil.wait_procs([psutil.Process(w) for w in workers if psutil.pid_exists(w)], timeout=10)
+        assert not alive, "parse workers outlived their client"
+        assert f"parse worker {victim} was killed by SIGKILL" in proc.stderr.read()
         partial = len(manifest_rows(out))
         assert partial < 200
-        res = run_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4")
+        res = run_extract(server.url, tmp_path / "d.jsonl", out, "--concurrency", "4", "--parse-workers", "0")
         assert res.returncode == 0, res.stderr
         assert f"resuming: {partial:,} of 200" in res.stderr or "resuming:" in res.stderr
         assert_complete(out, samples)
     finally:
         server.stop()
+
+
+def test_parse_workers_write_what_the_client_threads_write(toy, tmp_path):
+    from safetensors import safe_open
+
+    write_dataset(tmp_path / "d.jsonl", 40, seed=12, bad_lines=(5,))
+    runs = {n: run_extract(toy.url, tmp_path / "d.jsonl", tmp_path / f"w{n}", "--concurrency", "4",
+                           "--parse-workers", str(n)) for n in (0, 2)}
+    assert all(r.returncode == 0 for r in runs.values()), runs
+    assert "in 4 threads of the client" in runs[0].stderr and "in 2 worker process(es)" in runs[2].stderr
+    names = sorted(p.name for p in (tmp_path / "w0" / "hidden_states").iterdir())
+    assert len(names) == 39 and names == sorted(p.name for p in (tmp_path / "w2" / "hidden_states").iterdir())
+    for name in names:
+        a, b = (safe_open(str(tmp_path / w / "hidden_states" / name), "pt") for w in ("w0", "w2"))
+        assert a.metadata() == b.metadata() and a.keys() == b.keys()
+        for k in a.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+            x, y = a.get_tensor(k), b.get_tensor(k)
+            assert x.dtype == y.dtype and x.shape == y.shape and x.view(-1).view(torch.uint8).equal(
+                y.view(-1).view(torch.uint8)), (name, k)
+    assert manifest_rows(tmp_path / "w0") == manifest_rows(tmp_path / "w2")
 
 
 def test_server_crash_and_restart_mid_run(tmp_path):
@@ -230,7 +271,8 @@ def test_disk_full_injected_is_clear_and_resumable(toy, tmp_path, monkeypatch):
         return real_save(tensors, path, metadata=metadata)
 
     monkeypatch.setattr(writer, "serialize_file", full)
-    opts = Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=2)
+    # injected in this process, so stored by the client's threads (the parse workers meet a real full disk below)
+    opts = Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=2, parse_workers=0)
     with pytest.raises(UserError, match="No space left on device; free space"):
         extract(opts)
     rows = manifest_rows(tmp_path / "out")
@@ -315,7 +357,7 @@ def test_sigterm_finishes_cleanly_and_resumes(tmp_path):
 
 def test_unexpected_worker_error_ends_the_run_instead_of_hanging(toy, tmp_path, monkeypatch):
     from pipeline.errors import UserError
-    from pipeline.extract import client
+    from pipeline.extract import storing
     from pipeline.extract.client import Options, extract
 
     write_dataset(tmp_path / "d.jsonl", 30, seed=9)
@@ -323,9 +365,10 @@ def test_unexpected_worker_error_ends_the_run_instead_of_hanging(toy, tmp_path, 
     def broken(*a, **k):
         raise NameError("write_sample")  # what a broken release once did
 
-    monkeypatch.setattr(client, "write_sample", broken)
+    monkeypatch.setattr(storing, "write_sample", broken)
     t = time.monotonic()
     with pytest.raises(UserError, match="unexpected error storing sample .*NameError"):
-        extract(Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=4))
+        extract(Options(server=toy.url, data=tmp_path / "d.jsonl", out=tmp_path / "out", concurrency=4,
+                        parse_workers=0))
     assert time.monotonic() - t < 30
     assert manifest_rows(tmp_path / "out") == {}
