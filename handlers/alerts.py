@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from handlers.auth import redact
 from handlers.views import ago
+from pipeline.verdict import Verdict
 
-ALARM = frozenset({"stalled", "dead"})
 ACTION_LOGS, ACTION_SNOOZE = "eagle3_show_logs", "eagle3_snooze"
 
 
@@ -19,11 +19,11 @@ def event_message(event: dict, *, oncall: list[str], patterns: list[str] = ()) -
     Evidence may quote a stage's log: it is redacted like a posted log excerpt."""
     d, kind, stage = event["data"], event["kind"], event.get("stage")
     if kind == "verdict":
-        to, frm = d.get("to"), d.get("from")
+        to, frm = Verdict.of(d.get("to")), Verdict.of(d.get("from"))
         evidence = redact("\n".join(f"• {r}" for r in d.get("reasons") or []), patterns=patterns)
-        if to in ALARM:
+        if to and to.stuck:
             return "alert", f":rotating_light: {mention(oncall)} *{stage} is {to}*\n{evidence}", None
-        if frm in ALARM and to in ("progressing", "slow", "starting"):
+        if frm and frm.stuck and to and to.working:
             return "recovery", f":white_check_mark: {stage} recovered: {frm} → {to}", None
         if to == "done":
             return "done", f":tada: {stage} is done\n{evidence}", "run"

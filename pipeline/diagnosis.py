@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pipeline.eta import CostModel, EtaEstimator
 from pipeline.verdict import (
     Policy,
-    Verdict,
+    VerdictRecord,
     fmt_s,
     gpu_busy_at_power,
     gpu_indices,
@@ -188,7 +188,7 @@ class Diagnoser:
         return ev
 
     # --- the fold ------------------------------------------------------------
-    def feed(self, obs: dict) -> Verdict:
+    def feed(self, obs: dict) -> VerdictRecord:
         """Consume one observation of this stage; return the verdict at its time."""
         t = float(obs["t"])
         self.first_t = t if self.first_t is None else self.first_t
@@ -204,11 +204,11 @@ class Diagnoser:
         self._track_server(t, obs.get("server"))
         return self._judge(obs, t, proc, prog if isinstance(prog, dict) else {})
 
-    def _base(self, t: float, prog: dict, **kw) -> Verdict:
+    def _base(self, t: float, prog: dict, **kw) -> VerdictRecord:
         done, failed, total = num(prog, "done"), num(prog, "failed") or 0.0, num(prog, "total")
         pct = 100.0 * (done + failed) / total if done is not None and total else None
         rs, rt = self._rates(t)
-        return Verdict(t=t, stage=self.stage, progress_pct=pct, done=None if done is None else int(done),
+        return VerdictRecord(t=t, stage=self.stage, progress_pct=pct, done=None if done is None else int(done),
                        failed=int(failed), total=None if total is None else int(total), rate_samples_per_s=rs,
                        rate_tokens_per_s=rt, last_progress_at=self.last_progress_at, deadline_s=self.deadline(), **kw)
 
@@ -220,7 +220,7 @@ class Diagnoser:
         toks = [iv[3] for iv in recent]
         return sum(iv[2] for iv in recent) / span, (sum(toks) / span if None not in toks else None)
 
-    def _judge(self, obs: dict, t: float, proc: dict, prog: dict) -> Verdict:
+    def _judge(self, obs: dict, t: float, proc: dict, prog: dict) -> VerdictRecord:
         ended = proc.get("alive") is False or proc.get("exit_code") is not None
         if ended:
             return self._ended(t, proc, prog)
@@ -231,7 +231,7 @@ class Diagnoser:
             return self._judge_without_progress(obs, t, prog)
         return self._judge_progress(obs, t, prog)
 
-    def _ended(self, t: float, proc: dict, prog: dict) -> Verdict:
+    def _ended(self, t: float, proc: dict, prog: dict) -> VerdictRecord:
         code = proc.get("exit_code")
         if proc.get("stop_requested"):
             how = "" if code is None else (f" (signal {-code})" if code < 0 else f" (exit {code})")
@@ -257,7 +257,7 @@ class Diagnoser:
         return self._base(t, prog, verdict="done", reasons=(f"exited 0 with {int(done):,} / {int(total):,} done",),
                           eta_s=0.0, eta_low_s=0.0, eta_high_s=0.0)
 
-    def _judge_without_progress(self, obs: dict, t: float, prog: dict) -> Verdict:
+    def _judge_without_progress(self, obs: dict, t: float, prog: dict) -> VerdictRecord:
         server = obs.get("server")
         if isinstance(server, dict) and server.get("healthy") is not None:
             if server["healthy"]:
@@ -272,7 +272,7 @@ class Diagnoser:
             return self._base(t, prog, verdict="starting", reasons=("no progress reading yet",))
         return self._judge_stall(obs, t, prog, since=self.first_t, what="no progress reading yet")
 
-    def _judge_progress(self, obs: dict, t: float, prog: dict) -> Verdict:
+    def _judge_progress(self, obs: dict, t: float, prog: dict) -> VerdictRecord:
         if self.last_progress_at is None and t - self.first_t < self.policy.startup_window_s:
             return self._base(t, prog, verdict="starting", reasons=("no sample finished yet",))
         since = self.last_progress_at if self.last_progress_at is not None else self.first_t
@@ -284,7 +284,7 @@ class Diagnoser:
         return self._base(t, prog, verdict="slow" if slow else "progressing",
                           reasons=tuple(r for r in (slow, f"last progress {fmt_s(gap)} ago") if r), **eta)
 
-    def _judge_stall(self, obs: dict, t: float, prog: dict, *, since: float, what: str) -> Verdict:
+    def _judge_stall(self, obs: dict, t: float, prog: dict, *, since: float, what: str) -> VerdictRecord:
         gap = t - since
         deadline = f"deadline {fmt_s(self.deadline())} learned from this stage's gaps"
         activity = self._activity(obs, t)
@@ -340,7 +340,7 @@ class Diagnoser:
         return None
 
 
-def diagnose(history: list[dict], *, stage: str | None = None, policy: Policy | None = None) -> Verdict | None:
+def diagnose(history: list[dict], *, stage: str | None = None, policy: Policy | None = None) -> VerdictRecord | None:
     """The verdict after the last observation of `history` (one stage), or None if empty."""
     if not history:
         return None

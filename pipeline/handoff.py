@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import socket
 import time
+from enum import StrEnum
 
 from pipeline import completion
 from pipeline.config import Workspace
@@ -21,15 +22,46 @@ from pipeline.states import MAYBE_ALIVE_STATES
 from pipeline.store import Store
 from pipeline.supervisor import NO_RUNNER, Supervisor
 
+
+class HandoffStep(StrEnum):
+    """A step of the handoff, as stored (kv `handoff`.step) and shown. A str: it compares as its value."""
+
+    ARMED = "armed"
+    WAITING = "waiting-for-completion"
+    STOPPING = "stopping-server"
+    GPU_WAIT = "waiting-for-gpu-release"
+    LAUNCHING = "launching-training"
+    TRAINING = "training-running"
+    TRAINING_DONE = "training-done"
+    TRAINING_FAILED = "training-failed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def cancellable(self) -> bool:
+        """Before a training process exists the handoff can be cancelled; LAUNCHING included: a
+        launch that completes after the cancel is stopped at once (see `_launching`)."""
+        return self in (HandoffStep.ARMED, HandoffStep.WAITING, HandoffStep.STOPPING, HandoffStep.GPU_WAIT,
+                        HandoffStep.LAUNCHING)
+
+    @property
+    def followed(self) -> bool:
+        """A step the tick advances (TRAINING: until training ends)."""
+        return self.cancellable or self is HandoffStep.TRAINING
+
+    @property
+    def final(self) -> bool:
+        """The handoff has ended: nothing advances it any more."""
+        return not self.followed
+
+
 ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING, TRAINING = (
-    "armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-release", "launching-training",
-    "training-running")
-FAILED, CANCELLED = "failed", "cancelled"
-TRAINING_DONE, TRAINING_FAILED = "training-done", "training-failed"
-# Before a training process exists the handoff can be cancelled; LAUNCHING included: a
-# launch that completes after the cancel is stopped at once (see `_launching`).
-CANCELLABLE = frozenset({ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING})
-FOLLOWED = CANCELLABLE | {TRAINING}  # steps the tick advances (TRAINING: until training ends)
+    HandoffStep.ARMED, HandoffStep.WAITING, HandoffStep.STOPPING, HandoffStep.GPU_WAIT, HandoffStep.LAUNCHING,
+    HandoffStep.TRAINING)
+FAILED, CANCELLED = HandoffStep.FAILED, HandoffStep.CANCELLED
+TRAINING_DONE, TRAINING_FAILED = HandoffStep.TRAINING_DONE, HandoffStep.TRAINING_FAILED
+CANCELLABLE = frozenset(s for s in HandoffStep if s.cancellable)
+FOLLOWED = frozenset(s for s in HandoffStep if s.followed)
 KEY = "handoff"
 
 

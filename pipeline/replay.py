@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from pipeline.diagnosis import Diagnoser
-from pipeline.verdict import Policy, Verdict
+from pipeline.verdict import Policy, VerdictRecord
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class ReplayLine:
     """One input line's outcome: a verdict, or the reason it was skipped."""
 
     lineno: int
-    verdict: Verdict | None = None
+    verdict: VerdictRecord | None = None
     skipped: str | None = None
 
 

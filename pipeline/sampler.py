@@ -23,7 +23,7 @@ from pipeline.probes.progress import LogProgress, read_manifest, read_train_prog
 from pipeline.probes.server import ServerProbe
 from pipeline.store import Store
 from pipeline.supervisor import Supervisor
-from pipeline.verdict import Policy, Verdict
+from pipeline.verdict import Policy, VerdictRecord
 
 HISTORY_S = 7200.0  # history replayed into a fresh diagnoser after a restart
 
@@ -119,7 +119,7 @@ class Sampler:
         return None
 
     # --- the tick --------------------------------------------------------------
-    def tick(self) -> dict[str, tuple[dict, Verdict]]:
+    def tick(self) -> dict[str, tuple[dict, VerdictRecord]]:
         """Observe, diagnose and record every active stage; returns {stage: (observation, verdict)}."""
         self.supervisor.refresh()
         rows = {s: self.store.latest_proc(s) for s in STAGE_NAMES}
@@ -151,7 +151,7 @@ class Sampler:
         self._maybe_thin()
         return out
 
-    def _record(self, stage: str, row: dict, readings: dict[str, Reading]) -> tuple[dict, Verdict]:
+    def _record(self, stage: str, row: dict, readings: dict[str, Reading]) -> tuple[dict, VerdictRecord]:
         now = self.clock()
         obs: dict = {"t": now, "stage": stage}
         sections = {"process": f"{stage}.process", "progress": f"{stage}.progress", "files": f"{stage}.files",

@@ -3,9 +3,41 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-VERDICTS = ("starting", "progressing", "slow", "stalled", "stopped", "dead", "done", "unknown")
-STUCK_VERDICTS = frozenset({"stalled", "dead"})
+
+class Verdict(StrEnum):
+    """A stage's verdict. A str: it compares, prints and serialises as its value ("stalled")."""
+
+    STARTING = "starting"
+    PROGRESSING = "progressing"
+    SLOW = "slow"
+    STALLED = "stalled"
+    STOPPED = "stopped"
+    DEAD = "dead"
+    DONE = "done"
+    UNKNOWN = "unknown"
+
+    @property
+    def stuck(self) -> bool:
+        """Stalled or dead: what pages the on-call (never slow, unknown or a requested stop)."""
+        return self in (Verdict.STALLED, Verdict.DEAD)
+
+    @property
+    def working(self) -> bool:
+        """Doing its work: a stuck stage that becomes one of these has recovered."""
+        return self in (Verdict.STARTING, Verdict.PROGRESSING, Verdict.SLOW)
+
+    @classmethod
+    def of(cls, value) -> Verdict | None:
+        """The verdict a stored string names; None for anything else (a missing or older record)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return None
+
+
+VERDICTS = tuple(v.value for v in Verdict)
 
 
 @dataclass(frozen=True)
@@ -25,12 +57,12 @@ class Policy:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class VerdictRecord:
     """The diagnosis of one stage at time t."""
 
     t: float
     stage: str
-    verdict: str
+    verdict: Verdict
     reasons: tuple[str, ...] = ()
     progress_pct: float | None = None
     eta_s: float | None = None
@@ -45,10 +77,13 @@ class Verdict:
     deadline_s: float | None = None
     eta_note: str | None = None  # why there is no ETA (not part of the replay contract)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", Verdict(self.verdict))  # a name that is no verdict raises here
+
     @property
     def stuck(self) -> bool:
         """True for stalled and dead only."""
-        return self.verdict in STUCK_VERDICTS
+        return self.verdict.stuck
 
     def replay_json(self) -> dict:
         """The object `eagle3 diagnose --replay --json` prints."""
