@@ -7,6 +7,7 @@ import time
 from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import UserError
 from pipeline.handoff import Handoff
+from pipeline.states import StageState
 from pipeline.store import Store
 from pipeline.supervisor import Supervisor
 
@@ -32,8 +33,8 @@ class Automation:
             proc = self.store.latest_proc(stage)
             if cfg.restart != "on-failure" or not proc or proc["stop_requested"]:
                 continue
-            vanished = proc["state"] == "unknown" and proc["ended_at"] is not None
-            failed = proc["state"] == "exited" and proc["exit_code"] != 0
+            vanished = proc["state"] == StageState.UNKNOWN and proc["ended_at"] is not None
+            failed = proc["state"] == StageState.EXITED and proc["exit_code"] != 0
             died = vanished or failed
             if not died:
                 continue

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline.config import Workspace
 from pipeline.probes.progress import read_manifest
+from pipeline.states import StageState
 from pipeline.store import Store
 
 
@@ -47,9 +48,9 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     proc = store.latest_proc("extract")
     if proc is None:
         c.missing.append("extraction has not been started")
-    elif proc["state"] == "running":
+    elif proc["state"] == StageState.RUNNING:
         c.missing.append("extraction is still running")
-    elif proc["state"] != "exited" or proc["exit_code"] != 0:
+    elif proc["state"] != StageState.EXITED or proc["exit_code"] != 0:
         how = proc["reason"] or proc["state"]
         c.missing.append(f"the last extraction run did not exit 0 ({how})")
     if reading.unknown:

@@ -213,7 +213,7 @@ class Controller:
     def _unobserved_end(self, stage: str) -> bool:
         proc = self.store.latest_proc(stage)
         verdict = self.store.get(f"verdict:{stage}") or {}
-        return bool(proc) and proc["state"] != "running" and (
+        return bool(proc) and proc["state"] != StageState.RUNNING and (
             verdict.get("proc_id") != proc["id"] or not verdict.get("final"))
 
     def _stage_status(self, stage: str, now: float) -> dict:

@@ -18,7 +18,7 @@ from enum import StrEnum
 from pipeline import completion
 from pipeline.config import Workspace
 from pipeline.errors import UserError
-from pipeline.states import MAYBE_ALIVE_STATES
+from pipeline.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.store import Store
 from pipeline.supervisor import NO_RUNNER, Supervisor
 
@@ -274,7 +274,7 @@ class Handoff:
             return
         if proc["stop_requested"]:
             self._set(CANCELLED, f"training stopped on request ({proc['reason']})")
-        elif proc["state"] == "exited" and proc["exit_code"] == 0:
+        elif proc["state"] == StageState.EXITED and proc["exit_code"] == 0:
             self._set(TRAINING_DONE, "training finished (exit 0)" + self._draft_note())
         else:
             self._set(TRAINING_FAILED, f"training ended: {proc['reason']}")

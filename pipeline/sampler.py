@@ -21,6 +21,7 @@ from pipeline.probes.gpu import FakeNvml, GpuProbe, RealNvml
 from pipeline.probes.process import group_processes, read_process
 from pipeline.probes.progress import LogProgress, read_manifest, read_train_progress
 from pipeline.probes.server import ServerProbe
+from pipeline.states import StageState, has_ended
 from pipeline.store import Store
 from pipeline.supervisor import Supervisor
 from pipeline.verdict import Policy, VerdictRecord
@@ -128,7 +129,7 @@ class Sampler:
             return {}
         pid_stage = {}
         for stage, row in active.items():
-            if row["state"] == "running" and row["pgid"]:
+            if row["state"] == StageState.RUNNING and row["pgid"]:
                 pid_stage.update({p.pid: stage for p in group_processes(row["pgid"], row["create_time"] or 0)})
         calls = {"gpus": lambda: self.gpu.read(pid_stage)}
         if "server" in active or "extract" in active:
@@ -165,7 +166,7 @@ class Sampler:
                 obs.setdefault("unknown", {})[section] = reading.unknown
         if stage == "extract":
             obs["disk"] = self._disk(obs)
-        final = row["state"] in ("exited", "stopped") or (row["state"] == "unknown" and bool(row.get("ended_at")))
+        final = has_ended(row)
         if final:
             self.finished[stage] = row["id"]
         verdict = self._diagnoser(stage, row).feed(obs)

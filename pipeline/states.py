@@ -20,6 +20,13 @@ ENDED_STATES = frozenset({StageState.EXITED, StageState.STOPPED})
 # A row in these states may still own live processes: never start a second copy.
 MAYBE_ALIVE_STATES = frozenset({StageState.RUNNING, StageState.UNKNOWN})
 
+
+
+def has_ended(row: dict) -> bool:
+    """The row's process has ended: exited, stopped, or unknown with its end recorded (it vanished)."""
+    return row["state"] in ENDED_STATES or (row["state"] == StageState.UNKNOWN and bool(row.get("ended_at")))
+
+
 _EDGES = {
     (StageState.RUNNING, StageState.EXITED),  # RUNNING -> EXITED: ended on its own
     (StageState.RUNNING, StageState.STOPPED),  # RUNNING -> STOPPED: ended after a requested stop

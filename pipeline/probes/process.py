@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 
 from pipeline.probes import Reading, known, unknown
+from pipeline.states import has_ended
 
 
 def group_processes(pgid: int, since: float) -> list[psutil.Process]:
@@ -42,9 +43,8 @@ def read_process(row: dict | None, *, clock=time.time) -> Reading:
     """The `process` section of an observation for a stage-process row."""
     if row is None:
         return unknown("stage not started", clock=clock)
-    ended = row["state"] in ("exited", "stopped")
     stop = bool(row.get("stop_requested"))
-    if ended or row["state"] == "unknown" and row.get("ended_at"):
+    if has_ended(row):
         code = row["exit_code"] if row["exit_code"] is not None else (-row["signal"] if row.get("signal") else None)
         value = {"alive": False, "exit_code": code, "stop_requested": stop}
         line = last_log_line(row.get("log")) if code and not stop else None
