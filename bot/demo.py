@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
 import sys
 import tempfile
 import threading
@@ -22,6 +21,7 @@ from pipeline.config import STAGE_NAMES, load_workspace
 from pipeline.controller import Controller
 from pipeline.demo_workspace import write_demo_workspace
 from pipeline.errors import UserError
+from pipeline.manifest import summarize
 from pipeline.monitor import Monitor
 
 TIMEOUT_S = 330.0
@@ -113,10 +113,9 @@ def _wait_for_training(ctl: Controller, notifier) -> bool:
 
 
 def _summary(root: Path, ws, started: float) -> None:
-    conn = sqlite3.connect(root / "out" / "manifest.sqlite")
-    done, failed, nbytes = conn.execute(
-        "SELECT SUM(status='done'), SUM(status='failed'), COALESCE(SUM(bytes), 0) FROM samples").fetchone()
-    conn.close()
+    m = summarize(root / "out")
+    done, failed = m["done"], m["failed"]
+    nbytes = sum(p.stat().st_size for p in (root / "out" / "hidden_states").glob("hs_*.safetensors"))
     ctl = Controller(workspace=ws)
     try:
         procs = {s: ctl.store.latest_proc(s) for s in STAGE_NAMES}

@@ -55,6 +55,21 @@ def summarize(out_dir: Path) -> dict:
             "inflight_bytes": as_int("inflight_bytes"), "max_inflight_bytes": as_int("max_inflight_bytes")}
 
 
+def read_done(out_dir: Path) -> tuple[dict[str, str], list[int]]:
+    """(meta, the indices of the samples done, ascending) of an extraction's manifest, read-only;
+    raises FileNotFoundError (no manifest) or sqlite3.Error (unreadable)."""
+    path = Path(out_dir) / MANIFEST_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no manifest")
+    conn = open_readonly(path)
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+        done = [r[0] for r in conn.execute("SELECT idx FROM samples WHERE status = 'done' ORDER BY idx")]
+    finally:
+        conn.close()
+    return meta, done
+
+
 class Manifest:
     """The writer's side: one connection owned by the extraction client."""
 

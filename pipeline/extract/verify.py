@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.extract.dataset import scan
 from pipeline.layout import sample_path
-from pipeline.manifest import MANIFEST_NAME, open_readonly
+from pipeline.manifest import MANIFEST_NAME, read_done
 
 
 @dataclass
@@ -35,10 +35,7 @@ def verify(out: Path, *, sample: int = 200, seed: int | None = None) -> VerifyRe
         res.problems.append(f"{path}: no manifest")
         return res
     try:
-        conn = open_readonly(path)
-        meta = dict(conn.execute("SELECT key, value FROM meta"))
-        done = [r[0] for r in conn.execute("SELECT idx FROM samples WHERE status = 'done' ORDER BY idx")]
-        conn.close()
+        meta, done = read_done(Path(out))
     except sqlite3.Error as exc:
         res.problems.append(f"{path}: unreadable ({exc})")
         return res

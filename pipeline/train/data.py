@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from pipeline.errors import UserError
 from pipeline.layout import sample_path
-from pipeline.manifest import MANIFEST_NAME, open_readonly
+from pipeline.manifest import MANIFEST_NAME, read_done
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,7 @@ def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> C
     if not mpath.exists():
         raise UserError(f"{mpath}: no manifest; --data must be an extraction output directory")
     try:
-        conn = open_readonly(mpath)
-        done = [r[0] for r in conn.execute("SELECT idx FROM samples WHERE status = 'done' ORDER BY idx")]
-        meta = dict(conn.execute("SELECT key, value FROM meta"))
-        conn.close()
+        meta, done = read_done(Path(data_dir))
     except sqlite3.Error as exc:
         raise UserError(f"{mpath}: unreadable manifest ({exc})") from None
     samples, bad, hidden, layers, topk = [], [], None, None, 0
