@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--server-wait", type=float, default=600.0, help="seconds to wait for an unreachable server")
     e.add_argument("--force", action="store_true", help="continue into an OUT made from another dataset")
     e.add_argument("--parse-workers", type=int, metavar="N",
-                   help="processes that parse, check and write the answers, so that parsing is not capped at one "
-                        "core (default: cores - 1; 0: threads inside the client)")
+                   help="processes that request, parse, check and write the samples, so that extraction is not capped "
+                        "at one core (default: cores - 1; 0: threads inside the client)")
     e.add_argument("--max-inflight-gb", type=float, metavar="G",
                    help="memory for answers in flight: a request waits until its answer fits (default: a quarter of "
                         "the memory available at start)")

@@ -189,8 +189,8 @@ class Extractor:
             loop.add_signal_handler(sig, self._stop)
         limits = httpx.Limits(max_connections=self.o.concurrency, max_keepalive_connections=self.o.concurrency)
         n = self.n_workers
-        self.say(f"parsing and writing in {n} worker process(es)" + (" (one per core, less one for requests; "
-                 "--parse-workers to change)" if self.o.parse_workers is None else "") if n else
+        self.say(f"requesting, parsing and writing in {n} worker process(es)" + (" (one per core, less one for "
+                 "the client; --parse-workers to change)" if self.o.parse_workers is None else "") if n else
                  f"parsing and writing in {STORE_WORKERS} threads of the client (--parse-workers 0)")
         self.workers: list[ParseWorker] = []
         try:
@@ -199,8 +199,8 @@ class Extractor:
                 async with httpx.AsyncClient(base_url=self.o.server, timeout=self.o.timeout_s, limits=limits) as client:
                     tasks = [asyncio.create_task(self._feed(fh, todo))]
                     tasks += [asyncio.create_task(self._requester(client)) for _ in range(self.o.concurrency)]
-                    storers = range(len(self.workers)) if self.workers else [None] * STORE_WORKERS
-                    tasks += [asyncio.create_task(self._storer(k)) for k in storers]
+                    if not self.workers:
+                        tasks += [asyncio.create_task(self._storer()) for _ in range(STORE_WORKERS)]
                     await self._until_finished()
                     await end_tasks(tasks)
         finally:
@@ -265,6 +265,9 @@ class Extractor:
             if self._ending():  # the run ended while this sample waited for room in the budget
                 self._release(job)
                 continue
+            if self.workers:
+                await self._through_worker(job)
+                continue
             job.attempts += 1
             self.inflight += 1
             try:
@@ -289,6 +292,60 @@ class Extractor:
             self.storing += 1
             await self.answers.put((job, content))
             del content  # else this worker keeps its last answer alive while it waits for the next
+
+    async def _through_worker(self, job: _Job) -> None:
+        """One admitted sample, requested, stored and written by the least busy parse worker."""
+        w = min(self.workers, key=lambda w: len(w.pending))
+        job.attempts += 1
+        self.inflight += 1
+        if self.on_request:
+            self.on_request(+1, time.monotonic())
+        try:
+            reply = await w.request(idx=job.idx, body=self._body(job), sid=job.sid, loss_mask=job.loss_mask,
+                                    width=self.width)
+        except WorkerDied as exc:
+            self._release(job)
+            self._replace(w, str(exc))
+            self._retry(job, str(exc), retryable=True)
+            return
+        finally:
+            self.inflight -= 1
+            if self.on_request:
+                self.on_request(-1, time.monotonic())
+        self._release(job)
+        if "transport" in reply:  # an unreachable server is not this sample's fault
+            job.attempts -= 1
+            job.last_error = reply["transport"]
+            self.server_up.clear()
+            self.jobs.put_nowait(job)
+        elif "http" in reply:
+            self._retry(job, reply["http"], retryable=True)
+        elif "ok" in reply:
+            self._stored(job, Stored(**reply["ok"]))
+        elif "bad" in reply:
+            self._retry(job, reply["bad"], retryable=reply["retry"])
+        elif "disk" in reply:
+            self.fatal = DiskError(reply["disk"])
+        else:
+            self.fatal = UserError(f"unexpected error storing sample {job.idx}: WorkerError: "
+                                   f"{reply.get('error', repr(reply)[:300])}; the manifest is consistent — please "
+                                   "report this, then rerun to resume")
+
+    def _replace(self, w: ParseWorker, reason: str) -> None:
+        """A dead worker gives way to a new one (once, however many samples it held)."""
+        if w not in self.workers or self._ending():
+            return
+        k = self.workers.index(w)
+        self.workers[k] = self._start_worker()
+        w.close(timeout_s=1.0)
+        self.say(f"warning: {reason}; started another (pid {self.workers[k].pid}), its samples are tried again")
+
+    def _body(self, job: _Job) -> dict:
+        body = {"input_ids": job.ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_hidden_states": True}
+        if self.plan.topk:
+            body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=self.plan.topk)
+        return body
 
     def _predict(self, job: _Job) -> float:
         """The bytes this sample's answer will take in memory; the whole budget before the row width
@@ -327,10 +384,7 @@ class Extractor:
         freed.set()
 
     async def _send(self, client, job: _Job) -> bytes:
-        body = {"input_ids": job.ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                "return_hidden_states": True}
-        if self.plan.topk:
-            body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=self.plan.topk)
+        body = self._body(job)
         if self.on_request:
             self.on_request(+1, time.monotonic())
         try:
@@ -346,8 +400,8 @@ class Extractor:
                 self.on_request(-1, time.monotonic())
         return content
 
-    async def _storer(self, k: int | None) -> None:
-        """Take answers and store them: in a thread (k None) or through parse worker k."""
+    async def _storer(self) -> None:
+        """Take answers and store them in a thread."""
         while True:
             job, content = await self.answers.get()
             box = [content]  # _store takes the answer out of the box, so its memory goes when it is parsed
@@ -362,20 +416,12 @@ class Extractor:
                 fields = {"idx": job.idx, "ids": job.ids, "sid": job.sid, "loss_mask": job.loss_mask,
                           "width": self.width}
                 try:
-                    if k is None:
-                        stored = await asyncio.to_thread(store_answer, self.spec, box, **fields)
-                    else:
-                        stored = _from_worker(await asyncio.to_thread(self.workers[k].store, box, **fields))
+                    stored = await asyncio.to_thread(store_answer, self.spec, box, **fields)
                 finally:
                     self.writing -= 1
                     box.clear()
                     self._release(job)
                 self._stored(job, stored)
-            except WorkerDied as exc:
-                self.workers[k] = self._start_worker()
-                self.say(f"warning: {exc} while storing sample {job.idx}; started another (pid "
-                         f"{self.workers[k].pid}), the sample is tried again")
-                self._retry(job, str(exc), retryable=True)
             except BadResponse as exc:
                 self._retry(job, exc.reason, retryable=exc.retry)
             except DiskError as exc:
@@ -435,7 +481,8 @@ class Extractor:
         self._finish(job, "done", nbytes=stored.nbytes)
 
     def _start_worker(self) -> ParseWorker:
-        return ParseWorker(self.spec)
+        slots = -(-self.o.concurrency // max(1, self.n_workers))  # the requests in flight, shared out
+        return ParseWorker(self.spec, server=self.o.server, timeout_s=self.o.timeout_s, slots=slots)
 
 
     async def _wait_for_server(self, client) -> None:
@@ -478,21 +525,6 @@ async def end_tasks(tasks: list[asyncio.Task], *, grace_s: float = 1.0) -> None:
     for t in tasks:  # retrieve the outcomes, so that none is logged as "never retrieved"
         if not t.cancelled():
             t.exception()
-
-
-class WorkerError(Exception):
-    """A parse worker's unexpected error (its type and message, as the worker told it)."""
-
-
-def _from_worker(reply: dict) -> Stored:
-    """A parse worker's reply as store_answer's outcome: the Stored, or the same exception."""
-    if "ok" in reply:
-        return Stored(**reply["ok"])
-    if "bad" in reply:
-        raise BadResponse(reply["bad"], retry=reply["retry"])
-    if "disk" in reply:
-        raise DiskError(reply["disk"])
-    raise WorkerError(reply.get("error", f"unreadable reply {reply!r}"[:300]))
 
 
 def _http_reason(exc: Exception) -> str:

@@ -1,25 +1,35 @@
-"""Parse workers: the extraction's parsing, validation and writing in processes of their own.
+"""Parse workers: the extraction's requests, parsing, checking and writing in processes of their own.
 
-The client's request loop holds the GIL while it reads answers; parsing an answer at the target's
-width (H = 7,168, 3 aux layers: 216 MB of JSON for 512 tokens) takes ~1.5 s of CPU, so in one process
-one core caps the run at ~7.5 million floats a second. With `--parse-workers N` each answer is
-handed to one of N worker processes (`python -m pipeline.extract.parse_worker`) over a pipe, which
-runs `storing.store_answer` on it — the same function the threads run — and answers with one line.
+The client's request loop holds the GIL while it reads answers; at the target's width (H = 7,168,
+3 aux layers: 216 MB of JSON for 512 tokens) receiving an answer costs ~0.05 s and parsing and
+writing it ~0.10 s of CPU per million floats, so one process caps a run at ~7 million floats a
+second. With `--parse-workers N` the client keeps the run's bookkeeping (which sample goes when,
+the memory budget, retries, the manifest) and hands each admitted sample to one of N worker
+processes (`python -m pipeline.extract.parse_worker`), which sends the request to the server
+itself, then runs `storing.store_answer` on the answer — the function the client's threads run —
+and replies with one line. No answer's bytes pass through the client: N workers use N cores.
 
-The wire, both ways: a 4-byte big-endian length and that many bytes of JSON; a request is followed
-by the answer's raw bytes (`size` of them). The first message to a worker is the run's StoreSpec.
-A worker ignores SIGINT and SIGTERM (the client decides what is finished on a stop, and drains),
-dies with the client (PR_SET_PDEATHSIG), and ends when its input closes.
+The wire, both ways: a 4-byte big-endian length and that many bytes of JSON. The first message to
+a worker is its setup (the run's StoreSpec, the server, the timeout, how many requests it may
+have in flight); each request carries an id its reply repeats. A worker ignores SIGINT and
+SIGTERM (the client decides what is finished on a stop, and drains), dies with the client
+(PR_SET_PDEATHSIG), and exits at once when its input closes: a file it was writing is then
+either absent (a temp file, removed on resume) or complete but not in the manifest (extracted
+again on resume).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import signal
 import struct
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 _LEN = struct.Struct(">I")
 
@@ -68,71 +78,138 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _request(spec, body: dict, client) -> bytearray | dict:
+    """POST /generate; the answer's bytes, or the reply that tells the client why there are none."""
+    import httpx
+
+    try:
+        with client.stream("POST", "/generate", json=body) as r:
+            if r.status_code >= 400:
+                r.read()
+                return {"http": f"server answered HTTP {r.status_code}: {r.text[:200]}"}
+            content = bytearray()  # grown in place: never the chunk list and its join at once
+            for chunk in r.iter_bytes():
+                content += chunk
+            return content
+    except httpx.TransportError as exc:
+        return {"transport": f"{type(exc).__name__}: {exc}"}
+
+
+def _one(spec, req: dict, local, setup: dict, send) -> None:
+    from pipeline.extract.response import BadResponse
+    from pipeline.extract.storing import DiskError, store_answer
+
+    if not hasattr(local, "client"):
+        import httpx
+
+        local.client = httpx.Client(base_url=setup["server"], timeout=setup["timeout_s"])
+    try:
+        got = _request(spec, req["body"], local.client)
+        if isinstance(got, dict):
+            reply = got
+        else:
+            box = [got]
+            del got
+            s = store_answer(spec, box, idx=req["idx"], ids=req["body"]["input_ids"], sid=req["sid"],
+                             loss_mask=req["loss_mask"], width=req["width"])
+            reply = {"ok": {"nbytes": s.nbytes, "width": s.width, "answer_bytes": s.answer_bytes}}
+    except BadResponse as exc:
+        reply = {"bad": exc.reason, "retry": exc.retry}
+    except DiskError as exc:
+        reply = {"disk": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - told to the client, which ends the run with it
+        reply = {"error": f"{type(exc).__name__}: {exc}"}
+    reply["id"] = req["id"]
+    send(reply)
+
+
 def serve(fd_in: int, fd_out: int, parent: int) -> int:
-    """The worker's loop: one request, one answer, until the input closes."""
+    """The worker's loop: take requests, run up to `slots` of them at once, until the input closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(parent)
-    from pipeline.extract.response import BadResponse
-    from pipeline.extract.storing import DiskError, StoreSpec, store_answer
+    from pipeline.extract.storing import StoreSpec
 
-    first = _read_json(fd_in)
-    if first is None:
+    setup = _read_json(fd_in)
+    if setup is None:
         return 0
-    spec = StoreSpec.from_json(first)
-    _write_json(fd_out, {"ready": os.getpid()})
+    spec = StoreSpec.from_json(setup["spec"])
+    lock, local = threading.Lock(), threading.local()
+
+    def send(reply: dict) -> None:
+        with lock:
+            try:
+                _write_json(fd_out, reply)
+            except OSError:  # the client is gone
+                os._exit(0)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, setup["slots"]))
+    send({"ready": os.getpid()})
     while True:
         req = _read_json(fd_in)
         if req is None:
-            return 0
-        content = bytearray(req["size"])
-        if not _read_exact(fd_in, memoryview(content)):
-            return 0
-        box = [content]
-        del content
-        try:
-            s = store_answer(spec, box, idx=req["idx"], ids=req["ids"], sid=req["sid"], loss_mask=req["loss_mask"],
-                             width=req["width"])
-            reply = {"ok": {"nbytes": s.nbytes, "width": s.width, "answer_bytes": s.answer_bytes}}
-        except BadResponse as exc:
-            reply = {"bad": exc.reason, "retry": exc.retry}
-        except DiskError as exc:
-            reply = {"disk": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - told to the client, which ends the run with it
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        box.clear()
-        _write_json(fd_out, reply)
+            os._exit(0)  # the client closed: what is in flight is abandoned (see the module's note)
+        pool.submit(_one, spec, req, local, setup, send)
 
 
 class WorkerDied(Exception):
-    """The parse worker ended while it held a sample (killed, out of memory): the sample is retried."""
+    """The worker ended while it held samples (killed, out of memory): they are tried again."""
 
 
 class ParseWorker:
-    """The client's end of one worker process. `store` blocks (run it in a thread); start and
-    close on the thread that owns the run (PR_SET_PDEATHSIG follows the thread that started it)."""
+    """The client's end of one worker process. Start and close it on the thread that runs the
+    event loop (PR_SET_PDEATHSIG follows the thread that started the worker); `request` is a
+    coroutine, and a reader thread resolves the replies."""
 
-    def __init__(self, spec) -> None:
-        self.spec = spec
+    def __init__(self, spec, *, server: str, timeout_s: float, slots: int) -> None:
+        self.loop = asyncio.get_running_loop()
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.extract.parse_worker", str(os.getpid())],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        self.pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self.gone: str | None = None
         try:
-            _write_json(self._in, spec.to_json())
+            _write_json(self._in, {"spec": spec.to_json(), "server": server, "timeout_s": timeout_s, "slots": slots})
         except OSError:
-            pass  # the worker died at start: the first store says so
-        self.ready = False
+            pass  # died at start: the reader says how
+        threading.Thread(target=self._read_replies, name=f"parse-worker-{self.proc.pid}", daemon=True).start()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def _reply(self):
-        reply = _read_json(self._out)
-        if reply is None:
-            raise WorkerDied(self._death())
-        return reply
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                reply = _read_json(self._out)
+            except (OSError, ValueError):
+                reply = None
+            if reply is None:
+                reason = self._death()
+                self._call(self._fail_all, reason)
+                self.proc.stdout.close()
+                return
+            if "ready" not in reply:
+                self._call(self._resolve, reply)
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: the run is over
+            pass
+
+    def _resolve(self, reply: dict) -> None:
+        fut = self.pending.pop(reply.get("id"), None)
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
+
+    def _fail_all(self, reason: str) -> None:
+        self.gone = reason
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerDied(reason))
 
     def _death(self) -> str:
         try:
@@ -145,24 +222,27 @@ class ParseWorker:
             return f"parse worker {self.proc.pid} was killed by {name}{hint}"
         return f"parse worker {self.proc.pid} exited with status {code}"
 
-    def store(self, box: list, *, idx: int, ids: list[int], sid, loss_mask, width) -> dict:
-        """Hand the answer taken from `box` to the worker and wait for its reply (a dict: `ok`,
-        `bad`/`retry`, `disk` or `error`). Raises WorkerDied when the worker is gone."""
+    async def request(self, *, idx: int, body: dict, sid, loss_mask, width) -> dict:
+        """Have the worker request, store and write one sample; its reply (`ok`, `bad`/`retry`,
+        `disk`, `error`, `http` or `transport`). Raises WorkerDied when the worker is gone."""
+        if self.gone:
+            raise WorkerDied(self.gone)
+        rid = next(self._ids)
+        fut = self.loop.create_future()
+        self.pending[rid] = fut
         try:
-            if not self.ready:
-                self._reply()  # {"ready": pid}: the worker started and read the spec
-                self.ready = True
-            content = box.pop()
-            head = {"idx": idx, "ids": ids, "sid": sid, "loss_mask": loss_mask, "width": width, "size": len(content)}
-            _write_json(self._in, head)
-            _write_all(self._in, content)
-            del content  # sent: the worker holds it now
-            return self._reply()
-        except (BrokenPipeError, ConnectionResetError):
-            raise WorkerDied(self._death()) from None
+            _write_json(self._in, {"id": rid, "idx": idx, "body": body, "sid": sid, "loss_mask": loss_mask,
+                                   "width": width})
+        except OSError:
+            self.pending.pop(rid, None)
+            raise WorkerDied(self.gone or f"parse worker {self.proc.pid} is gone") from None
+        try:
+            return await fut
+        finally:
+            self.pending.pop(rid, None)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """End the worker (its input closes; it finishes nothing new) and reap it."""
+        """End the worker (its input closes: it exits, abandoning what is in flight) and reap it."""
         try:
             self.proc.stdin.close()
         except OSError:
@@ -172,7 +252,6 @@ class ParseWorker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.proc.stdout.close()
 
 
 def main(argv: list[str] | None = None) -> int:
