@@ -78,7 +78,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _request(spec, body: dict, client) -> bytearray | dict:
+def _request(body: dict, client) -> bytearray | dict:
     """POST /generate; the answer's bytes, or the reply that tells the client why there are none."""
     import httpx
 
@@ -104,7 +104,7 @@ def _one(spec, req: dict, local, setup: dict, send) -> None:
 
         local.client = httpx.Client(base_url=setup["server"], timeout=setup["timeout_s"])
     try:
-        got = _request(spec, req["body"], local.client)
+        got = _request(req["body"], local.client)
         if isinstance(got, dict):
             reply = got
         else:
