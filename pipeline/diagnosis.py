@@ -20,7 +20,7 @@ from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipeline.eta import CostModel, EtaEstimator
+from pipeline.eta import CostModel, EtaEstimator, LatencyProfile
 from pipeline.verdict import (
     Policy,
     VerdictRecord,
@@ -55,6 +55,7 @@ class Diagnoser:
         self.last_processed: float | None = None
         self.last_tokens: float | None = None
         self.last_sq: float | None = None
+        self.last_moments: LatencyProfile | None = None
         self.last_progress_at: float | None = None
         self.gaps: list[float] = []  # sorted, bounded
         self._gap_order: deque[float] = deque()
@@ -86,8 +87,11 @@ class Diagnoser:
         if done is None:
             return
         processed, tokens, sq = done + failed, num(prog, "tokens_done"), num(prog, "tokens_sq_done")
+        moments = LatencyProfile.from_json(prog.get("latency_moments"))
         if self.last_processed is None:
             self.last_processed, self.last_tokens, self.last_sq = processed, tokens, sq
+            self.last_moments = moments
+            self.eta.add_latency(moments)
             if processed > 0:
                 self.last_progress_at = t
             return
@@ -99,11 +103,18 @@ class Diagnoser:
             dn = processed - self.last_processed
             dk = tokens - self.last_tokens if tokens is not None and self.last_tokens is not None else None
             dq = sq - self.last_sq if sq is not None and self.last_sq is not None else None
+            # counters that went back (a manifest rebuilt) tell nothing about this interval
+            dm = moments - self.last_moments if moments is not None and self.last_moments is not None else None
+            if dm is not None and dm.went_back():
+                dm = None
             if since is not None and t > since:
                 self._note_gap(t - since)
-                self.eta.add(t=t, dt=t - since, samples=dn, tokens=dk, tokens_sq=dq)
+                self.eta.add(t=t, dt=t - since, samples=dn, tokens=dk, tokens_sq=dq, latency=dm)
                 self.intervals.append((t, t - since, dn, dk))
+            else:
+                self.eta.add_latency(dm)
             self.last_processed, self.last_tokens, self.last_sq, self.last_progress_at = processed, tokens, sq, t
+            self.last_moments = moments
         horizon = t - self.policy.baseline_window_s - self.policy.slow_window_s
         while self.intervals and self.intervals[0][0] < horizon:
             self.intervals.popleft()

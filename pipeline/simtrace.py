@@ -12,6 +12,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from pipeline.eta import LatencyProfile
+
 HIDDEN = 7168
 LAYERS = 4
 
@@ -27,6 +29,9 @@ class Scenario:
     order: str = "shuffled"  # or "ascending", "descending", "bucketed" (ascending buckets, shuffled inside)
     buckets: int = 8
     with_sq: bool = True  # the observation carries tokens_sq_done / tokens_sq_total (extraction records them)
+    # ... and latency_moments: each sample's request latency, which one request at a time (as simulated
+    # here) is its duration
+    with_latency: bool = True
     overhead_s: float = 0.3  # per request
     per_token_s: float = 2.8e-4
     # Attention makes long prompts cost more than linearly; the ETA model is linear,
@@ -112,7 +117,7 @@ def simulate(sc: Scenario) -> Trace:
     horizon = (stop_t if math.isfinite(stop_t) else ends[-1]) + sc.end_extra_ticks * sc.tick_s
     if fault is not None:
         horizon = fault + 3600.0
-    obs, i_done, cpu, written, tok_done, sq_done = [], 0, 0.0, 0.0, 0, 0
+    obs, i_done, cpu, written, tok_done, sq_done, moments = [], 0, 0.0, 0.0, 0, 0, LatencyProfile()
     tokens_total, sq_total = sum(lengths), sum(n * n for n in lengths)
     t0 = 1_790_000_000.0
     for k in itertools.count(1):
@@ -123,6 +128,7 @@ def simulate(sc: Scenario) -> Trace:
         while i_done < sc.samples and ends[i_done] <= t:
             tok_done += lengths[i_done]
             sq_done += lengths[i_done] ** 2
+            moments += LatencyProfile.one(lengths[i_done], durs[i_done][0])
             i_done += 1
         requesting = i_done < sc.samples and ends[i_done] != math.inf
         # A giant prompt, or any request over 30 s, keeps the GPUs busy while it runs.
@@ -146,6 +152,8 @@ def simulate(sc: Scenario) -> Trace:
                           "tokens_sq_total": sq_total if sc.with_sq else None},
              "files": {"count": i_done - failed, "bytes": written}}
         if sc.stage == "extract":
+            if sc.with_latency:
+                o["progress"]["latency_moments"] = moments.to_json()
             hang = stalled and sc.stall_kind == "server-hang"
             wedged = stalled and sc.stall_kind == "server-wedged"
             busy = in_flight and not stalled

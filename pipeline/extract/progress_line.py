@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from pipeline.eta import EtaEstimator
+from pipeline.eta import EtaEstimator, LatencyProfile
 from pipeline.verdict import fmt_s
 
 
@@ -25,9 +25,12 @@ class ProgressLine:
         self.start, self.start_done, self.last = clock(), done, 0.0
         self.eta = EtaEstimator()
         self.mark = (self.start, done, 0, 0)  # (time, processed, tokens, Σtokens²) at the last interval's end
+        self.latencies = LatencyProfile()  # the samples' since the last interval's end, as the manifest keeps them
 
-    def add(self, *, ok: bool, tokens: int) -> None:
-        """Count one finished sample."""
+    def add(self, *, ok: bool, tokens: int, latency_s: float | None = None) -> None:
+        """Count one finished sample (a done one with its request's latency, when known)."""
+        if ok and latency_s is not None and tokens > 0:
+            self.latencies += LatencyProfile.one(tokens, latency_s)
         if ok:
             self.done += 1
         else:
@@ -46,8 +49,10 @@ class ProgressLine:
         processed = self.done + self.failed
         if processed > n0 and now > t0:
             self.eta.add(t=now, dt=now - t0, samples=processed - n0, tokens=self.tokens - k0,
-                         tokens_sq=None if self.tokens_sq_left is None else self.tokens_sq - q0)
+                         tokens_sq=None if self.tokens_sq_left is None else self.tokens_sq - q0,
+                         latency=self.latencies)
             self.mark = (now, processed, self.tokens, self.tokens_sq)
+            self.latencies = LatencyProfile()
 
     def eta_text(self) -> str:
         """'ETA 4h 48m (4h 10m–5h 30m)', or why there is none yet."""
