@@ -1,7 +1,8 @@
 """The extraction manifest: `OUT/manifest.sqlite`, the authoritative per-sample record.
 
 Table `samples`: idx INTEGER PRIMARY KEY (the data line, from 0), id, status
-('done' | 'failed'), tokens, bytes, attempts, error, finished_at (unix seconds).
+('done' | 'failed'), tokens, bytes, attempts, error, finished_at (unix seconds), latency_s (the
+successful request's own seconds, send to last byte; added by issue 14, NULL in older manifests).
 Table `meta`: key, value — dataset_sha256, samples_total, tokens_total, model,
 layers, hidden_size, layer_ids, layer_convention, final_layer,
 final_slot ("post-norm": the final layer as this project's server side returns it; "pre-norm":
@@ -17,7 +18,7 @@ MANIFEST_NAME = "manifest.sqlite"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
     idx INTEGER PRIMARY KEY, id TEXT, status TEXT NOT NULL CHECK (status IN ('done', 'failed')),
-    tokens INTEGER, bytes INTEGER, attempts INTEGER, error TEXT, finished_at REAL
+    tokens INTEGER, bytes INTEGER, attempts INTEGER, error TEXT, finished_at REAL, latency_s REAL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
@@ -42,6 +43,7 @@ def summarize(out_dir: Path) -> dict:
         counts = {s: (n, t or 0, q or 0) for s, n, t, q in conn.execute(
             "SELECT status, COUNT(*), SUM(tokens), SUM(tokens * tokens) FROM samples GROUP BY status")}
         meta = dict(conn.execute("SELECT key, value FROM meta"))
+        latency = _latency_profile(conn)
     finally:
         conn.close()
     as_int = lambda k: int(meta[k]) if meta.get(k) not in (None, "") else None  # noqa: E731
@@ -52,7 +54,29 @@ def summarize(out_dir: Path) -> dict:
             "tokens_sq_done": done[2] + failed[2] if sq_total is not None else None, "tokens_sq_total": sq_total,
             "layers": as_int("layers"), "hidden_size": as_int("hidden_size"),
             # answers in memory at the client, and its budget (absent from manifests before issue 17)
-            "inflight_bytes": as_int("inflight_bytes"), "max_inflight_bytes": as_int("max_inflight_bytes")}
+            "inflight_bytes": as_int("inflight_bytes"), "max_inflight_bytes": as_int("max_inflight_bytes"),
+            # the done samples' request latencies per length bin, for the ETA's cost shape (pipeline.eta)
+            "latency_moments": latency.to_json() if latency is not None and latency.samples else None}
+
+
+# floor(log2(tokens)) in SQL (SQLite's math functions are optional): the power-of-two length bin
+_LOG2 = " + ".join(f"(tokens >= {1 << k})" for k in range(1, 31))
+_PROFILE_SQL = (
+    f"SELECT {_LOG2} AS b, COUNT(*), SUM(1.0 / tokens), SUM(1.0 / (tokens * tokens)), SUM(tokens), "
+    "SUM(1.0 * tokens * tokens), SUM(latency_s / tokens), SUM(latency_s / (1.0 * tokens * tokens)), "
+    "SUM(latency_s), SUM(latency_s * latency_s / (1.0 * tokens * tokens)) "
+    "FROM samples WHERE status = 'done' AND latency_s IS NOT NULL AND tokens > 0 GROUP BY b")
+
+
+def _latency_profile(conn: sqlite3.Connection):
+    """The `LatencyProfile` of the done samples; None for a manifest from before latencies were kept."""
+    from pipeline.eta import LatencyMoments, LatencyProfile
+
+    try:
+        rows = conn.execute(_PROFILE_SQL).fetchall()
+    except sqlite3.OperationalError:  # no latency_s column
+        return None
+    return LatencyProfile({1 << int(b): LatencyMoments(*(float(v) for v in vals)) for b, *vals in rows})
 
 
 def read_done(out_dir: Path) -> tuple[dict[str, str], list[int]]:
@@ -82,6 +106,9 @@ class Manifest:
         # cut only means that sample is extracted again on resume.
         self.conn.execute("PRAGMA synchronous = NORMAL")
         self.conn.executescript(SCHEMA)
+        columns = {r[1] for r in self.conn.execute("PRAGMA table_info(samples)")}
+        if "latency_s" not in columns:  # a manifest from before issue 14: resumed, it keeps its rows
+            self.conn.execute("ALTER TABLE samples ADD COLUMN latency_s REAL")
 
     def meta(self) -> dict[str, str]:
         """All meta key/values."""
@@ -101,11 +128,12 @@ class Manifest:
         self.conn.executemany("DELETE FROM samples WHERE idx = ?", [(i,) for i in indices])
 
     def record(self, *, idx: int, sample_id: str | None, status: str, tokens: int | None, nbytes: int | None,
-               attempts: int, error: str | None, now: float) -> None:
+               attempts: int, error: str | None, now: float, latency_s: float | None = None) -> None:
         """Record one sample's outcome (replacing an earlier attempt's row)."""
         self.conn.execute(
-            "INSERT OR REPLACE INTO samples (idx, id, status, tokens, bytes, attempts, error, finished_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (idx, sample_id, status, tokens, nbytes, attempts, error, now))
+            "INSERT OR REPLACE INTO samples (idx, id, status, tokens, bytes, attempts, error, finished_at, latency_s) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (idx, sample_id, status, tokens, nbytes, attempts, error, now, latency_s))
 
     def close(self) -> None:
         """Close the connection."""

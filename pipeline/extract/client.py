@@ -84,6 +84,7 @@ class _Job:
     attempts: int = 0
     truncated_once: bool = False
     last_error: str = ""
+    latency_s: float | None = None  # the last answered request's own seconds (the ETA's cost shape)
 
 
 class Extractor:
@@ -313,6 +314,7 @@ class Extractor:
             if self.on_request:
                 self.on_request(-1, time.monotonic())
         self._release(job)
+        job.latency_s = reply.get("latency_s")
         if "transport" in reply:  # an unreachable server is not this sample's fault
             job.attempts -= 1
             job.last_error = reply["transport"]
@@ -387,6 +389,7 @@ class Extractor:
         body = self._body(job)
         if self.on_request:
             self.on_request(+1, time.monotonic())
+        t0 = time.monotonic()
         try:
             async with client.stream("POST", "/generate", json=body) as r:
                 if r.status_code >= 400:
@@ -395,6 +398,7 @@ class Extractor:
                 content = bytearray()  # grown in place: never the chunk list and its join at once
                 async for chunk in r.aiter_bytes():
                     content += chunk
+            job.latency_s = time.monotonic() - t0
         finally:
             if self.on_request:
                 self.on_request(-1, time.monotonic())
@@ -453,7 +457,7 @@ class Extractor:
         try:
             self.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
                                  attempts=job.attempts, error=None if error is None else error[:500],
-                                 now=time.time())
+                                 now=time.time(), latency_s=job.latency_s if status == "done" else None)
         except sqlite3.Error as exc:
             if status == "done":  # a file the manifest cannot count must not stay to be mistaken for one
                 sample_path(self.o.out, job.idx).unlink(missing_ok=True)
@@ -464,7 +468,8 @@ class Extractor:
             self.manifest.set_meta({"hidden_size": self.width // self.plan.layers})
             self.hidden_recorded = True
         self.remaining -= 1
-        self.progress.add(ok=status == "done", tokens=tokens or 0)
+        self.progress.add(ok=status == "done", tokens=tokens or 0,
+                          latency_s=job.latency_s if status == "done" else None)
         if time.monotonic() - self._published > 2.0:  # for `eagle3 status`: bytes in flight, now and then
             self._published = time.monotonic()
             try:

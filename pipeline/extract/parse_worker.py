@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 _LEN = struct.Struct(">I")
@@ -104,7 +105,9 @@ def _one(spec, req: dict, local, setup: dict, send) -> None:
 
         local.client = httpx.Client(base_url=setup["server"], timeout=setup["timeout_s"])
     try:
+        t0 = time.monotonic()
         got = _request(req["body"], local.client)
+        latency_s = time.monotonic() - t0
         if isinstance(got, dict):
             reply = got
         else:
@@ -112,7 +115,8 @@ def _one(spec, req: dict, local, setup: dict, send) -> None:
             del got
             s = store_answer(spec, box, idx=req["idx"], ids=req["body"]["input_ids"], sid=req["sid"],
                              loss_mask=req["loss_mask"], width=req["width"])
-            reply = {"ok": {"nbytes": s.nbytes, "width": s.width, "answer_bytes": s.answer_bytes}}
+            reply = {"ok": {"nbytes": s.nbytes, "width": s.width, "answer_bytes": s.answer_bytes},
+                     "latency_s": latency_s}
     except BadResponse as exc:
         reply = {"bad": exc.reason, "retry": exc.retry}
     except DiskError as exc:

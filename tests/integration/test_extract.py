@@ -144,6 +144,16 @@ def test_parse_workers_write_what_the_client_threads_write(toy, tmp_path):
             assert x.dtype == y.dtype and x.shape == y.shape and x.view(-1).view(torch.uint8).equal(
                 y.view(-1).view(torch.uint8)), (name, k)
     assert manifest_rows(tmp_path / "w0") == manifest_rows(tmp_path / "w2")
+    from pipeline.eta import LatencyProfile
+    from pipeline.manifest import summarize
+
+    for w in ("w0", "w2"):  # both paths time each request; the manifest's latency profile counts them all
+        conn = sqlite3.connect(tmp_path / w / "manifest.sqlite")
+        lat = [r[0] for r in conn.execute("SELECT latency_s FROM samples WHERE status = 'done'")]
+        conn.close()
+        assert len(lat) == 39 and all(x is not None and x > 0 for x in lat), lat
+        prof = LatencyProfile.from_json(summarize(tmp_path / w)["latency_moments"])
+        assert prof.samples == 39 and abs(sum(m.sum_s_tokens for m in prof.bins.values()) - sum(lat)) < 1e-6
 
 
 def test_server_crash_and_restart_mid_run(tmp_path):
