@@ -23,6 +23,11 @@ spans cannot tell a from b from c). The wall clock then gives the *scale*: wall 
 latency second over recent spans (1 with one request at a time; about 1/concurrency when a
 continuous-batching server shares its GPUs among the requests in flight, under which a request's
 expected latency is proportional to its own cost).
+
+Where the stage reports neither (only done/total/tokens), a span's Σtokens² is taken as tokens² /
+samples — exact when its prompts are alike, as on length-sorted data, and proportional to the truth on
+shuffled data — and the work left's is estimated from its mean and the current length
+(`EtaEstimator._sq_left_range`), its bounds widening the band.
 """
 
 from __future__ import annotations
@@ -400,6 +405,10 @@ class EtaEstimator:
         self.shape = LatencyShape()
         self.scales = (_Decayed(short_half_life_s), _Decayed(long_half_life_s))
         self._priced = False  # every tick of the open span carried latencies
+        # Where the stage reports no Σtokens², a span's is taken as tokens² / samples (exact when its prompts
+        # are alike, as on length-sorted data) and the work left's is estimated (`_sq_left_range`).
+        self.sq_proxy = False
+        self.recent_length: float | None = None  # the last span's mean prompt length, tokens
 
     def add(self, *, t: float, dt: float, samples: float, tokens: float | None, tokens_sq: float | None = None,
             latency: LatencyProfile | None = None) -> None:
@@ -424,6 +433,11 @@ class EtaEstimator:
         if o[0] >= span:
             k = o[2] if self._has[0] else None
             q = o[3] if self._has[1] else None
+            if q is None and k is not None:  # Σtokens² not reported: the span's as if its prompts were alike
+                q = k * k / o[1]
+                self.sq_proxy = True
+            if k is not None:
+                self.recent_length = k / o[1]
             self.short.add(t=t, dt=o[0], samples=o[1], tokens=k, tokens_sq=q)
             self.long.add(t=t, dt=o[0], samples=o[1], tokens=k, tokens_sq=q)
             self.intervals += 1
@@ -454,12 +468,21 @@ class EtaEstimator:
         if (self.shape.profile.samples >= self.MIN_LATENCY_SAMPLES and tokens_left is not None
                 and tokens_sq_left is not None and all(sc.values[0] > 0 for sc in self.scales)):
             return self._by_latency(samples_left, tokens_left, tokens_sq_left)
+        sq_range = None
+        if tokens_sq_left is None and self.sq_proxy and tokens_left is not None:
+            sq_range = self._sq_left_range(samples_left, tokens_left)
+            tokens_sq_left = sq_range[1]
         short = self.short.predict(samples=samples_left, tokens=tokens_left, tokens_sq=tokens_sq_left)
         long = self.long.predict(samples=samples_left, tokens=tokens_left, tokens_sq=tokens_sq_left)
         if short is None or long is None or short <= 0 or long <= 0:
             self.why = "the cost fit has no term for the work left (token counts missing)"
             return None
         eta = 0.5 * short + 0.5 * long
+        spread = [short, long]
+        if sq_range is not None:  # the estimate of Σtokens² left is a guess: its bounds widen the band
+            for q in (sq_range[0], sq_range[2]):
+                spread += [self.short.predict(samples=samples_left, tokens=tokens_left, tokens_sq=q) or eta,
+                           self.long.predict(samples=samples_left, tokens=tokens_left, tokens_sq=q) or eta]
         # A fit extrapolated far past the longest prompts seen is a guess, and its standard error
         # (from the same fit) does not know it: seen only 700-token prompts, 3,000-token ones to come.
         ahead = (math.sqrt(tokens_sq_left / samples_left) if tokens_sq_left is not None
@@ -471,14 +494,28 @@ class EtaEstimator:
             return None
         # the band: the two memories' spread, and two standard errors of the long fit's prediction
         sd = self.long.predict_sd(samples=samples_left, tokens=tokens_left, tokens_sq=tokens_sq_left) or 0.0
-        low = min(short, long, eta - 2 * sd) / 1.05
-        high = max(short, long, eta + 2 * sd) * 1.05
+        low = min(*spread, eta - 2 * sd) / 1.05
+        high = max(*spread, eta + 2 * sd) * 1.05
         cap = self.EARLY_BAND_RATIO if self.intervals < self.MIN_INTERVALS else self.MAX_BAND_RATIO
         if low <= 0 or high / low > cap:
             self.why = (f"withheld: the work left is unlike the work done so far (e.g. longer prompts to come), "
                         f"so the estimate could be anywhere from {fmt_s(max(low, 0.0))} to {fmt_s(high)}")
             return None
         return Eta(eta, low, high)
+
+    def _sq_left_range(self, n: float, k: float) -> tuple[float, float, float]:
+        """(low, estimate, high) of Σtokens² over the work left when the stage does not report it. At
+        least k² / n (all prompts alike). The estimate: the prompts left spread from the current length
+        to beyond their mean as an exponential tail would (length-sorted data: the rest are the longer
+        prompts; on shuffled data the current length is the mean and the spread term vanishes), which on
+        lognormal lengths sorted ascending comes within 5 % of the truth from 10 % to 75 % progress. Shorter
+        prompts to come (sorted descending): alike at best, spread as far as the current length at worst."""
+        mean = k / n
+        floor = k * k / n
+        spread = n * (mean - (self.recent_length or mean)) ** 2
+        if mean < (self.recent_length or mean):  # shorter prompts to come (sorted descending): no tail beyond
+            return floor, floor, floor + spread
+        return floor, floor + spread, floor + 2 * spread
 
     def _by_latency(self, n: float, k: float, q: float) -> Eta | None:
         """The latency path: Σ of each remaining sample's fitted latency, times wall seconds per latency
