@@ -29,6 +29,7 @@ from pipeline.extract.progress_line import ProgressLine
 from pipeline.extract.response import BadResponse
 from pipeline.extract.storing import LAYER_CONVENTION, DiskError, Stored, StoreSpec, store_answer
 from pipeline.extract.writer import DTYPES, remove_temp_files, sample_path
+from pipeline.layout import HIDDEN_DIR
 from pipeline.manifest import Manifest
 from pipeline.verdict import fmt_bytes
 
@@ -99,6 +100,7 @@ class Extractor:
         self.width: int | None = None
         self.fatal: Exception | None = None
         self.hidden_recorded = False
+        self.unrecorded: set[int] = set()  # samples handed to a parse worker and not yet in the manifest
         self.json_bpf = JSON_BYTES_PER_FLOAT
         if opts.parser == "fast" and not fastparse.available():
             self.say("warning: pysimdjson is not installed: answers are parsed with json.loads, ~8× slower "
@@ -207,6 +209,8 @@ class Extractor:
         finally:
             for w in self.workers:
                 w.close()
+            if self.workers:
+                self._drop_uncounted()
         manifest.set_meta({"inflight_bytes": 0})
         manifest.close()
         self.progress.final()
@@ -294,9 +298,17 @@ class Extractor:
             await self.answers.put((job, content))
             del content  # else this worker keeps its last answer alive while it waits for the next
 
+    def _drop_uncounted(self) -> None:
+        """Once the workers are reaped: remove what they wrote for samples the manifest does not count (in
+        flight when a fatal error ended the run), so no file is mistaken for a counted one."""
+        for idx in self.unrecorded:
+            sample_path(self.o.out, idx).unlink(missing_ok=True)
+        remove_temp_files(self.o.out / HIDDEN_DIR)
+
     async def _through_worker(self, job: _Job) -> None:
         """One admitted sample, requested, stored and written by the least busy parse worker."""
         w = min(self.workers, key=lambda w: len(w.pending))
+        self.unrecorded.add(job.idx)
         job.attempts += 1
         self.inflight += 1
         if self.on_request:
@@ -464,6 +476,7 @@ class Extractor:
             self.fatal = DiskError(f"cannot record sample {job.idx} in {self.o.out / 'manifest.sqlite'}: {exc}; "
                                    "free space or fix permissions, then run the same command to resume")
             return
+        self.unrecorded.discard(job.idx)
         if status == "done" and self.width and not self.hidden_recorded:
             self.manifest.set_meta({"hidden_size": self.width // self.plan.layers})
             self.hidden_recorded = True
