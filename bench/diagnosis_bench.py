@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from pipeline.diagnosis import Diagnoser
-from pipeline.etabench import eta_errors
-from pipeline.simtrace import Scenario, simulate, standard_scenarios
+from pipeline.observe.diagnosis import Diagnoser
+from pipeline.toy.etabench import eta_errors
+from pipeline.toy.simtrace import Scenario, simulate, standard_scenarios
 
 SEEDS = range(5)
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from bench.common import machine, write_block
 from bench.train_bench import ROOT, _extract
-from pipeline.demo_workspace import TRAIN_STEPS
+from pipeline.toy.demo_workspace import TRAIN_STEPS
 
 
 def run(*, full: bool = True) -> list[str]:
-    from pipeline.evaldraft import evaluate
-    from pipeline.toy_launch import ToyServer
+    from pipeline.draft.evaluate import evaluate
+    from pipeline.toy.launch import ToyServer
 
     steps = TRAIN_STEPS if full else 120
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")

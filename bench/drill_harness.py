@@ -58,7 +58,7 @@ class DrillWorkspace:
 
     def __init__(self, root: Path, *, samples: int, slack_url: str, real_trainer: bool = False,
                  server_flags: tuple[str, ...] = (), seed: int = 7) -> None:
-        from pipeline.demo_workspace import write_dataset, write_demo_workspace
+        from pipeline.toy.demo_workspace import write_dataset, write_demo_workspace
 
         self.root, self.samples, self.real_trainer = root, samples, real_trainer
         self.cfg = write_demo_workspace(root, steps=40)  # the handoff is drilled, not the draft's quality

@@ -65,7 +65,7 @@ def json_decode(full: bool) -> dict:
 
 def occupancy(full: bool) -> dict:
     """Share of wall time with all `concurrency` requests outstanding, against a 5 ms server."""
-    from pipeline.toy_launch import (  # the toy server is the project's own test target
+    from pipeline.toy.launch import (  # the toy server is the project's own test target
         ToyServer,
         write_dataset,
     )

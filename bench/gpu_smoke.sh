@@ -8,9 +8,9 @@ nvidia-smi --query-gpu=index,name,utilization.gpu,memory.used,power.draw --forma
 "$PY" - <<'PY'
 import json, tempfile, time
 from pathlib import Path
-from pipeline.probes.gpu import GpuProbe
+from pipeline.observe.probes.gpu import GpuProbe
 from pipeline.config import Workspace, parse_config
-from pipeline.sampler import Sampler
+from pipeline.observe.sampler import Sampler
 from pipeline.store import Store
 
 probe = GpuProbe()

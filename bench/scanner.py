@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from bench.common import percentile
-from pipeline.probes.files import FileScanner
+from pipeline.observe.probes.files import FileScanner
 
 
 def _populate(root: Path, dirs: int, per_dir: int) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 from bench.common import percentile, timed
 from pipeline.config import Workspace, parse_config
 from pipeline.controller import Controller
-from pipeline.simtrace import Scenario, simulate
 from pipeline.store import Store
+from pipeline.toy.simtrace import Scenario, simulate
 
 
 def _fill(store: Store, n: int) -> None:

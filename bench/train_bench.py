@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _extract(tmp: Path) -> tuple[Path, Path]:
-    from pipeline.toy_launch import ToyServer, write_dataset
+    from pipeline.toy.launch import ToyServer, write_dataset
 
     write_dataset(tmp / "d.jsonl", 300, lo=32, hi=256, seed=42)
     server = ToyServer()

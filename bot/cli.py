@@ -41,7 +41,7 @@ def cmd_init(args) -> int:
         raise UserError(f"{target}: already exists; not overwriting it (edit it, or init another directory)")
     target.parent.mkdir(parents=True, exist_ok=True)
     if args.demo:
-        from pipeline.demo_workspace import write_demo_workspace
+        from pipeline.toy.demo_workspace import write_demo_workspace
         write_demo_workspace(target.parent)
         print(f"wrote a toy workspace in {target.parent}: eagle3 --config {target} start server; start extract; "
               "autostart on; serve")
@@ -148,7 +148,7 @@ def cmd_logs(args) -> int:
 @command("run-stage", "internal: the detached runner that owns one stage process")
 def cmd_run_stage(args) -> int:
     from pipeline.config import find_config
-    from pipeline.runner import run_stage
+    from pipeline.stages.runner import run_stage
     return run_stage(ws=load_workspace(find_config(args.config)), stage=args.stage, proc_id=args.proc_id)
 
 
@@ -183,7 +183,7 @@ def cmd_diagnose(args) -> int:
 
 def _replay(args) -> int:
     from handlers.views import replay_timeline_line
-    from pipeline.replay import replay
+    from pipeline.observe.replay import replay
     try:
         fh = sys.stdin if args.replay == "-" else open(args.replay, encoding="utf-8", errors="replace")  # noqa: SIM115
     except OSError as exc:
@@ -246,7 +246,7 @@ def cmd_verify(args) -> int:
 
 @command("toy-server", "a tiny SGLang-compatible target on loopback (demo, tests, benchmarks)")
 def cmd_toy_server(args) -> int:
-    from pipeline.toy_server import serve as toy_serve
+    from pipeline.toy.server import serve as toy_serve
     return toy_serve(args)
 
 
@@ -258,7 +258,7 @@ def cmd_train(args) -> int:
 
 @command("chart", "draw a stage's run as a PNG: progress with the ETA band, rates, loss, GPUs (UTC)")
 def cmd_chart(args) -> int:
-    from pipeline.charts import render_run
+    from pipeline.observe.charts import render_run
     with _controller(args) as ctl:
         out, count, run = render_run(ctl.store, args.stage, out=Path(args.out), run=args.run)
     if out is None:
@@ -270,7 +270,7 @@ def cmd_chart(args) -> int:
 
 @command("export", "write a training checkpoint as SGLang's EAGLE-3 draft directory (config.json + model.safetensors)")
 def cmd_export(args) -> int:
-    from pipeline.export import export_checkpoint, launch_line
+    from pipeline.train.export import export_checkpoint, launch_line
     out = export_checkpoint(Path(args.checkpoint), Path(args.out),
                             with_embeddings=Path(args.with_embeddings) if args.with_embeddings else None)
     print(f"wrote {out} (LlamaForCausalLMEagle3; checked against SGLang's load rules)")
@@ -280,7 +280,7 @@ def cmd_export(args) -> int:
 
 @command("eval-draft", "acceptance length τ of an exported draft against the target's greedy continuations")
 def cmd_eval_draft(args) -> int:
-    from pipeline.evaldraft import main as eval_main
+    from pipeline.draft.evaluate import main as eval_main
     return eval_main(args)
 
 
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fast (default): hidden states parsed by simdjson into arrays; json: json.loads (slow)")
     p["verify"].add_argument("out", help="extraction output directory")
     p["verify"].add_argument("--sample", type=int, default=200, help="files to open (default 200)")
-    from pipeline.toy_args import add_arguments
+    from pipeline.toy.args import add_arguments
     add_arguments(p["toy-server"])
     p["train"].add_argument("train_args", nargs=argparse.REMAINDER, help="--data OUT --out CKPT --steps N …")
     p["demo"].add_argument("--slack-channel", metavar="C…", help="post to this Slack channel as well "

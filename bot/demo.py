@@ -19,10 +19,10 @@ from pathlib import Path
 from bot.service import console_notifier
 from pipeline.config import STAGE_NAMES, load_workspace
 from pipeline.controller import Controller
-from pipeline.demo_workspace import write_demo_workspace
 from pipeline.errors import UserError
 from pipeline.manifest import summarize
 from pipeline.monitor import Monitor
+from pipeline.toy.demo_workspace import write_demo_workspace
 
 TIMEOUT_S = 330.0
 POST_EVERY_S = 8.0
@@ -143,7 +143,7 @@ def _summary(root: Path, ws, started: float) -> None:
 
 def _charts(root: Path, ws) -> list[Path]:
     """The run drawn from the store, as `eagle3 chart` draws it."""
-    from pipeline.charts import render_run
+    from pipeline.observe.charts import render_run
 
     ctl = Controller(workspace=ws)
     try:
@@ -159,8 +159,8 @@ def _evaluate(root: Path) -> bool:
     """Measure the exported draft the way SGLang serves it, against a fresh toy server."""
     import subprocess
 
-    from pipeline.evaldraft import evaluate, format_result
-    from pipeline.export import launch_line
+    from pipeline.draft.evaluate import evaluate, format_result
+    from pipeline.train.export import launch_line
 
     draft = root / "ckpt" / "draft"
     _say(f"  draft for SGLang: {draft}")

@@ -201,7 +201,7 @@ class Notifier:
         files_upload_v2 (files.getUploadURLExternal, the upload, files.completeUploadExternal), the
         message's text as its comment. Nothing to draw: the text alone, or nothing for a chart-only
         message. No `files:write` scope: the text, with what to fix said once."""
-        from pipeline.charts import render_run
+        from pipeline.observe.charts import render_run
 
         stage, thread = spec["chart"], self._thread_ts(store, m["thread_key"])
         out = self.ws.state_dir / "charts" / f"{stage}-{m['id']}.png"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from handlers.auth import redact
 from handlers.views import ago
-from pipeline.verdict import Verdict
+from pipeline.observe.verdict import Verdict
 
 ACTION_LOGS, ACTION_SNOOZE = "eagle3_show_logs", "eagle3_snooze"
 

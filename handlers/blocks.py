@@ -14,7 +14,7 @@ from slack_sdk.models.blocks import (
 )
 
 from handlers.views import ago, plain_times, slack_time
-from pipeline.handoff import CANCELLABLE, TRAINING
+from pipeline.handoff.machine import CANCELLABLE, TRAINING
 
 SECTION_LIMIT = 3000
 ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER = "eagle3_autostart_on", "eagle3_autostart_off", "eagle3_later"

@@ -80,7 +80,7 @@ def register(app, *, controller_factory, ws) -> None:
 
 
 def _complete_cheaply(ctl) -> bool:
-    from pipeline import completion
+    from pipeline.handoff import completion
 
     return completion.check(ctl.ws, ctl.store, run_verify=False).complete
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pipeline.verdict import fmt_bytes
+from pipeline.observe.verdict import fmt_bytes
 
 
 def ago(seconds: float | None) -> str:

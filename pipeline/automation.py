@@ -6,10 +6,10 @@ import time
 
 from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import UserError
-from pipeline.handoff import Handoff
-from pipeline.states import StageState
+from pipeline.handoff.machine import Handoff
+from pipeline.stages.states import StageState
+from pipeline.stages.supervisor import Supervisor
 from pipeline.store import Store
-from pipeline.supervisor import Supervisor
 
 
 class Automation:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pipeline import completion
 from pipeline.config import STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
-from pipeline.handoff import Handoff, handoff_state
-from pipeline.logfile import tail_lines
-from pipeline.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.handoff import completion
+from pipeline.handoff.machine import Handoff, handoff_state
+from pipeline.stages.logfile import tail_lines
+from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.stages.supervisor import StopResult, Supervisor
 from pipeline.store import Store
-from pipeline.supervisor import StopResult, Supervisor
 
 
 class TrainGuardError(UserError):
@@ -96,7 +96,7 @@ class Controller:
 
     def _record_gpu_baseline(self) -> None:
         """GPU memory before the server loads: the handoff waits for the training GPUs to return to it."""
-        from pipeline.sampler import make_gpu_probe
+        from pipeline.observe.sampler import make_gpu_probe
 
         reading = make_gpu_probe(self.ws).read()
         if reading.value:
@@ -190,7 +190,7 @@ class Controller:
         monitored = self.monitor_running()
         if not monitored and sample_if_unmonitored and any(
                 self.supervisor.is_running(s) or self._unobserved_end(s) for s in STAGE_NAMES):
-            from pipeline.sampler import Sampler
+            from pipeline.observe.sampler import Sampler
 
             sampler = Sampler(ws=self.ws, store=self.store)
             try:

@@ -55,7 +55,7 @@ def summarize(out_dir: Path) -> dict:
             "layers": as_int("layers"), "hidden_size": as_int("hidden_size"),
             # answers in memory at the client, and its budget (absent from manifests before issue 17)
             "inflight_bytes": as_int("inflight_bytes"), "max_inflight_bytes": as_int("max_inflight_bytes"),
-            # the done samples' request latencies per length bin, for the ETA's cost shape (pipeline.eta)
+            # the done samples' request latencies per length bin, for the ETA's cost shape (pipeline.observe.eta)
             "latency_moments": latency.to_json() if latency is not None and latency.samples else None}
 
 
@@ -70,7 +70,7 @@ _PROFILE_SQL = (
 
 def _latency_profile(conn: sqlite3.Connection):
     """The `LatencyProfile` of the done samples; None for a manifest from before latencies were kept."""
-    from pipeline.eta import LatencyMoments, LatencyProfile
+    from pipeline.observe.eta import LatencyMoments, LatencyProfile
 
     try:
         rows = conn.execute(_PROFILE_SQL).fetchall()

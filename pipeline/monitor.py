@@ -9,7 +9,7 @@ import time
 
 from pipeline.automation import Automation
 from pipeline.config import Workspace
-from pipeline.sampler import Sampler
+from pipeline.observe.sampler import Sampler
 from pipeline.store import Store
 
 log = logging.getLogger("eagle3.monitor")

@@ -1,3 +1,3 @@
 """The toy server launcher lives in the package (bench/ uses it too); tests import it from here."""
 
-from pipeline.toy_launch import ROOT, ToyServer, write_dataset  # noqa: F401
+from pipeline.toy.launch import ROOT, ToyServer, write_dataset  # noqa: F401

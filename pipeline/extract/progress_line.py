@@ -1,6 +1,6 @@
 """Progress lines on stderr for a person: rate and ETA, at most one every few seconds.
 
-The ETA is the monitor's own estimator (pipeline.eta), fed the same kind of intervals:
+The ETA is the monitor's own estimator (pipeline.observe.eta), fed the same kind of intervals:
 one run shows one ETA in its log, in `eagle3 status` and in Slack.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 import time
 
-from pipeline.eta import EtaEstimator, LatencyProfile
-from pipeline.verdict import fmt_s
+from pipeline.observe.eta import EtaEstimator, LatencyProfile
+from pipeline.observe.verdict import fmt_s
 
 
 class ProgressLine:

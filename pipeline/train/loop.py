@@ -289,7 +289,7 @@ def _validation(out: Path, step: int, model, corpus, ctx: Ctx, args, d: Dist) ->
 
 
 def _export(out: Path, step: int, ctx: Ctx) -> None:
-    from pipeline.export import export_checkpoint, launch_line
+    from pipeline.train.export import export_checkpoint, launch_line
 
     dest = export_checkpoint(checkpoint.step_dir(out, step), (out / "draft").resolve())
     print(f"train: draft for SGLang written to {dest} (LlamaForCausalLMEagle3)", flush=True)

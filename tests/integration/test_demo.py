@@ -56,7 +56,7 @@ def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_runnin
         assert line in out, out
     # issue 13's bar, with the demo's own training budget: the export loads under SGLang's rules, and
     # measured as SGLang serves it the draft beats a bigram table by 0.5 and itself without aux by 0.3
-    from pipeline.sglang_draft import check_export
+    from pipeline.draft.sglang import check_export
     assert check_export(Path(ws) / "ckpt" / "draft") == []
     res = json.loads((Path(ws) / "draft_eval.json").read_text())
     assert res["depth"] == 5 and res["prompts_measured"] >= 20

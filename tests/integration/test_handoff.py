@@ -16,10 +16,10 @@ import pytest
 
 from pipeline.config import load_workspace
 from pipeline.controller import Controller
-from pipeline.handoff import Handoff
-from pipeline.probes import known
+from pipeline.handoff.machine import Handoff
+from pipeline.observe.probes import known
+from pipeline.stages.supervisor import Supervisor
 from pipeline.store import Store
-from pipeline.supervisor import Supervisor
 from tests.conftest import ROOT, eagle3, fixture_argv, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def demo_ws(tmp_path: Path, *, train_argv: list[str] | None = None, server_flags: tuple = (), samples: int = 80) -> Path:
     """`init --demo` with `samples` prompts instead of the demo's 300: the handoff is tested here, not the draft."""
-    from pipeline.demo_workspace import write_dataset
+    from pipeline.toy.demo_workspace import write_dataset
 
     out = eagle3("init", "--demo", str(tmp_path / "ws"))
     assert out.returncode == 0, out.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.configcheck import SERVICE_PATH
-from pipeline.demo_workspace import write_dataset
+from pipeline.toy.demo_workspace import write_dataset
 from tests.conftest import ROOT, wait_for
 
 pytestmark = pytest.mark.timeout(300)

@@ -54,7 +54,7 @@ def test_torchrun_80_steps_learns_the_target(toy_extraction, tmp_path):
     assert {p.name for p in step.iterdir()} >= {"model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt"}
     assert "fc.weight" in load_file(step / "model.safetensors")
     assert (ckpt / "latest").read_text().strip() == "step_80"
-    from pipeline.sglang_draft import check_export
+    from pipeline.draft.sglang import check_export
     assert check_export(ckpt / "draft") == []
     assert f"--speculative-draft-model-path {ckpt / 'draft'}" in out
 
@@ -229,5 +229,5 @@ def test_loss_mask_travels_from_the_dataset_to_the_training_target(tmp_path):
 
 
 def _toy_target(tmp_path: Path) -> Path:
-    from pipeline.toy_model import export_target
+    from pipeline.toy.model import export_target
     return export_target(tmp_path / "target")

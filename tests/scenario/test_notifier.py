@@ -308,7 +308,7 @@ def test_serve_checks_its_token_once_at_start(env, answer, caplog):
 
 def _observed(store, clock, samples=300):
     """A run with a simulated extraction in the store, the clock at its last observation."""
-    from pipeline.simtrace import Scenario, simulate
+    from pipeline.toy.simtrace import Scenario, simulate
 
     run = store.open_run()
     for o in simulate(Scenario("chart", samples=samples)).observations:

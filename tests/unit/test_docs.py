@@ -7,7 +7,7 @@ import pytest
 
 from bot.cli import COMMANDS, build_parser
 from handlers.slash import HELP, SUBCOMMANDS, parse
-from pipeline.verdict import VERDICTS
+from pipeline.observe.verdict import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -26,7 +26,7 @@ def started_modules(path: Path) -> set[str]:
 # The demo's eagle3.toml is the user's configuration, written the way the operator guide shows stage
 # commands (`python -m bot.cli toy-server`, `… extract`): what the user's service runs, not an arrow
 # from pipeline/ up into bot/.
-USER_CONFIG = {"pipeline/demo_workspace.py"}
+USER_CONFIG = {"pipeline/toy/demo_workspace.py"}
 
 
 def imported_roots(path: Path) -> set[str]:

@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from pipeline.charts import HEIGHT_PX, WIDTH_PX, render
-from pipeline.simtrace import Scenario, simulate
+from pipeline.observe.charts import HEIGHT_PX, WIDTH_PX, render
+from pipeline.toy.simtrace import Scenario, simulate
 
 pytestmark = pytest.mark.timeout(120)
 

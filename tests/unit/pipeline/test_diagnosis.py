@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from pipeline.diagnosis import Diagnoser, diagnose
-from pipeline.etabench import eta_errors
-from pipeline.simtrace import Scenario, simulate, standard_scenarios
-from pipeline.verdict import Policy
+from pipeline.observe.diagnosis import Diagnoser, diagnose
+from pipeline.observe.verdict import Policy
+from pipeline.toy.etabench import eta_errors
+from pipeline.toy.simtrace import Scenario, simulate, standard_scenarios
 
 SCENARIOS = {sc.name: sc for sc in standard_scenarios()}
 
@@ -182,7 +182,7 @@ def test_eta_suppressed_early():
 
 
 def test_eta_withheld_while_the_prompts_left_are_far_longer_than_any_seen():
-    from pipeline.eta import EtaEstimator
+    from pipeline.observe.eta import EtaEstimator
 
     est = EtaEstimator()
     for k in range(1, 40):  # 10 prompts of 500 tokens every 30 s: cost 3 s each

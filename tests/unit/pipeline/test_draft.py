@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.draft.sglang import SglangDraft, check_export, load_rules, read_export
 from pipeline.errors import UserError
-from pipeline.export import NAMES, export_checkpoint
-from pipeline.sglang_draft import SglangDraft, check_export, load_rules, read_export
+from pipeline.train.export import NAMES, export_checkpoint
 from pipeline.train.model import DraftConfig, Eagle3Draft, build_target, draft_vocab, ttt_attention
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,7 +62,7 @@ def _export_tensors(m: Eagle3Draft) -> dict:
 
 
 def _sglang_config(cfg: DraftConfig) -> dict:
-    from pipeline.export import sglang_config
+    from pipeline.train.export import sglang_config
     return sglang_config(cfg.to_dict())
 
 
@@ -213,7 +213,7 @@ def test_gqa_and_rope_shapes_in_the_export(tmp_path):
 
 
 def test_training_done_names_the_draft_and_the_launch_line(tmp_path):
-    from pipeline.export import draft_note
+    from pipeline.train.export import draft_note
 
     argv = ["/opt/venv/bin/torchrun", "-m", "pipeline.train", "--target-model", "models/t", "--out", "ckpt"]
     assert draft_note(tmp_path / "ckpt", argv, cwd=tmp_path) == ""  # nothing exported (yet)

@@ -7,10 +7,10 @@ import sqlite3
 
 import pytest
 
-from pipeline.eta import EtaEstimator, LatencyMoments, LatencyProfile, length_bin
-from pipeline.etabench import eta_errors
 from pipeline.manifest import SCHEMA, Manifest, summarize
-from pipeline.simtrace import Scenario, simulate
+from pipeline.observe.eta import EtaEstimator, LatencyMoments, LatencyProfile, length_bin
+from pipeline.toy.etabench import eta_errors
+from pipeline.toy.simtrace import Scenario, simulate
 
 
 def test_length_bins_are_powers_of_two():

@@ -7,10 +7,10 @@ import os
 import psutil
 import pytest
 
-from pipeline import completion
 from pipeline.config import Workspace, parse_config
 from pipeline.controller import Controller, ServerHoldsGpusError
-from pipeline.handoff import Handoff, handoff_state
+from pipeline.handoff import completion
+from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.store import Store
 
 pytestmark = pytest.mark.timeout(30)

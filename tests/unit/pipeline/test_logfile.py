@@ -1,6 +1,6 @@
 """Log rotation and tailing."""
 
-from pipeline.logfile import RotatingLog, tail_lines
+from pipeline.stages.logfile import RotatingLog, tail_lines
 
 
 def test_rotation_keeps_k_files_and_loses_nothing_recent(tmp_path):

@@ -11,12 +11,12 @@ import time
 import pytest
 
 from pipeline.manifest import SCHEMA
-from pipeline.probes.disk import projected_need, read_disk
-from pipeline.probes.files import FileScanner
-from pipeline.probes.gpu import FakeNvml, GpuProbe
-from pipeline.probes.process import read_process
-from pipeline.probes.progress import LogProgress, read_manifest, read_train_progress
-from pipeline.probes.server import ServerProbe, parse_metrics
+from pipeline.observe.probes.disk import projected_need, read_disk
+from pipeline.observe.probes.files import FileScanner
+from pipeline.observe.probes.gpu import FakeNvml, GpuProbe
+from pipeline.observe.probes.process import read_process
+from pipeline.observe.probes.progress import LogProgress, read_manifest, read_train_progress
+from pipeline.observe.probes.server import ServerProbe, parse_metrics
 
 
 # --- files -----------------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_a_failed_stage_reports_the_last_line_of_its_log(tmp_path):
 
 
 def test_train_progress_carries_the_last_validation(tmp_path):
-    from pipeline.probes.progress import read_train_progress
+    from pipeline.observe.probes.progress import read_train_progress
 
     (tmp_path / "progress.jsonl").write_text('{"step": 5, "total_steps": 9, "loss": 2.0, "kl": 0.5, "tokens_per_s": 1}\n')
     assert "acc_by_depth" not in read_train_progress(tmp_path).value

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from handlers.alerts import event_message
-from pipeline.handoff import CANCELLABLE, FOLLOWED, HandoffStep
-from pipeline.verdict import VERDICTS, Verdict, VerdictRecord
+from pipeline.handoff.machine import CANCELLABLE, FOLLOWED, HandoffStep
+from pipeline.observe.verdict import VERDICTS, Verdict, VerdictRecord
 
 
 def test_the_verdicts_are_the_documented_strings_and_only_stalled_and_dead_are_stuck():

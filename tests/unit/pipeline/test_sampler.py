@@ -5,7 +5,7 @@ import sqlite3
 
 from pipeline.config import Workspace, parse_config
 from pipeline.manifest import SCHEMA
-from pipeline.sampler import Sampler
+from pipeline.observe.sampler import Sampler
 from pipeline.store import Store
 
 

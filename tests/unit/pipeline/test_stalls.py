@@ -2,9 +2,9 @@
 
 import pytest
 
-from pipeline.diagnosis import Diagnoser
-from pipeline.simtrace import Scenario, simulate, standard_scenarios
-from pipeline.verdict import Policy
+from pipeline.observe.diagnosis import Diagnoser
+from pipeline.observe.verdict import Policy
+from pipeline.toy.simtrace import Scenario, simulate, standard_scenarios
 
 SCENARIOS = {sc.name: sc for sc in standard_scenarios()}
 

@@ -6,9 +6,9 @@ import pytest
 
 from pipeline.config import Workspace, parse_config
 from pipeline.errors import StageError
-from pipeline.host import SIGKILL, SIGTERM, Member
+from pipeline.stages.host import SIGKILL, SIGTERM, Member
+from pipeline.stages.supervisor import RUNNER_START_TIMEOUT_S, Supervisor, claim_row, record_exit
 from pipeline.store import Store
-from pipeline.supervisor import RUNNER_START_TIMEOUT_S, Supervisor, claim_row, record_exit
 
 
 class FakeHost:
@@ -133,7 +133,7 @@ def test_second_start_is_refused_while_running(setup):
 
 
 def test_illegal_transition_asserts(setup):
-    from pipeline.states import StageState, transition
+    from pipeline.stages.states import StageState, transition
     ws, host, store, sup = setup
     proc_id = add_running(store, host)
     record_exit(store, proc_id, returncode=0, now=host.now)

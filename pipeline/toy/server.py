@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.toy_model import HIDDEN, LAYERS, VOCAB, ToyLM, aux_layer_ids, export_target
+from pipeline.toy.model import HIDDEN, LAYERS, VOCAB, ToyLM, aux_layer_ids, export_target
 
 VERSION = "0.5.23-toy"
 
@@ -209,11 +209,11 @@ def serve(opts: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m pipeline.toy_server: the flags of `eagle3 toy-server`
+if __name__ == "__main__":  # python -m pipeline.toy.server: the flags of `eagle3 toy-server`
     import sys
 
-    from pipeline.toy_args import add_arguments
+    from pipeline.toy.args import add_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m pipeline.toy_server")
+    parser = argparse.ArgumentParser(prog="python -m pipeline.toy.server")
     add_arguments(parser)
     sys.exit(serve(parser.parse_args()))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.probes import Reading, known, unknown
-from pipeline.states import has_ended
+from pipeline.observe.probes import Reading, known, unknown
+from pipeline.stages.states import has_ended
 
 
 def group_processes(pgid: int, since: float) -> list[psutil.Process]:
@@ -29,7 +29,7 @@ def group_processes(pgid: int, since: float) -> list[psutil.Process]:
 
 def last_log_line(path: str | None) -> str | None:
     """The last non-empty line of a stage's log (its error, usually), at most 300 characters; None if unreadable."""
-    from pipeline.logfile import tail_lines
+    from pipeline.stages.logfile import tail_lines
 
     try:
         lines = [line.strip() for line in tail_lines(Path(path), 5)] if path else []

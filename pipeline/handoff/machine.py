@@ -15,12 +15,12 @@ import socket
 import time
 from enum import StrEnum
 
-from pipeline import completion
 from pipeline.config import Workspace
 from pipeline.errors import UserError
-from pipeline.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.handoff import completion
+from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.stages.supervisor import NO_RUNNER, Supervisor
 from pipeline.store import Store
-from pipeline.supervisor import NO_RUNNER, Supervisor
 
 
 class HandoffStep(StrEnum):
@@ -261,7 +261,7 @@ class Handoff:
 
     def _draft_note(self) -> str:
         """Where the trainer exported the draft, and SGLang's launch line for it ('' when there is none)."""
-        from pipeline.export import draft_note
+        from pipeline.train.export import draft_note
 
         train = self.ws.config.stages.train
         return draft_note(self.ws.resolve(train.out), train.argv, cwd=self.ws.resolve(train.cwd) or self.ws.root)

@@ -13,18 +13,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from pipeline.config import STAGE_NAMES, Workspace
-from pipeline.diagnosis import Diagnoser
-from pipeline.probes import Reading, unknown
-from pipeline.probes.disk import projected_need, read_disk
-from pipeline.probes.files import FileScanner
-from pipeline.probes.gpu import FakeNvml, GpuProbe, RealNvml
-from pipeline.probes.process import group_processes, read_process
-from pipeline.probes.progress import LogProgress, read_manifest, read_train_progress
-from pipeline.probes.server import ServerProbe
-from pipeline.states import StageState, has_ended
+from pipeline.observe.diagnosis import Diagnoser
+from pipeline.observe.probes import Reading, unknown
+from pipeline.observe.probes.disk import projected_need, read_disk
+from pipeline.observe.probes.files import FileScanner
+from pipeline.observe.probes.gpu import FakeNvml, GpuProbe, RealNvml
+from pipeline.observe.probes.process import group_processes, read_process
+from pipeline.observe.probes.progress import LogProgress, read_manifest, read_train_progress
+from pipeline.observe.probes.server import ServerProbe
+from pipeline.observe.verdict import Policy, VerdictRecord
+from pipeline.stages.states import StageState, has_ended
+from pipeline.stages.supervisor import Supervisor
 from pipeline.store import Store
-from pipeline.supervisor import Supervisor
-from pipeline.verdict import Policy, VerdictRecord
 
 HISTORY_S = 7200.0  # history replayed into a fresh diagnoser after a restart
 

@@ -175,7 +175,7 @@ def evaluate(*, draft_dir: Path, server: str, data: Path, target_model: str | No
     """τ of the draft, of the bigram table and of the draft without aux features; accuracy by depth."""
     import httpx
 
-    from pipeline.sglang_draft import SglangDraft, load_rules, read_export
+    from pipeline.draft.sglang import SglangDraft, load_rules, read_export
 
     try:
         cfg, tensors = read_export(draft_dir)

@@ -20,8 +20,8 @@ from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipeline.eta import CostModel, EtaEstimator, LatencyProfile
-from pipeline.verdict import (
+from pipeline.observe.eta import CostModel, EtaEstimator, LatencyProfile
+from pipeline.observe.verdict import (
     Policy,
     VerdictRecord,
     fmt_s,

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from pipeline.probes import Reading, known, unknown
+from pipeline.observe.probes import Reading, known, unknown
 
 TEMP_SUFFIXES = (".tmp", ".partial", ".part")
 RACE_WINDOW_NS = 2_000_000_000  # coarse filesystems stamp mtimes at 1-2 s

@@ -9,9 +9,9 @@ import sqlite3
 import time
 from pathlib import Path
 
-from pipeline.logfile import tail_lines
 from pipeline.manifest import summarize
-from pipeline.probes import Reading, known, unknown
+from pipeline.observe.probes import Reading, known, unknown
+from pipeline.stages.logfile import tail_lines
 
 
 def read_manifest(out_dir: Path | None, *, clock=time.time) -> Reading:

@@ -36,7 +36,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from pipeline.verdict import fmt_s
+from pipeline.observe.verdict import fmt_s
 
 TERMS = 3  # samples, tokens, tokens²
 MOMENT_KEYS = ("samples", "sum_inv", "sum_inv_sq", "sum_tokens", "sum_tokens_sq",

@@ -1,4 +1,4 @@
-"""The small detached runner that owns one stage process (`python -m pipeline.runner`, which the
+"""The small detached runner that owns one stage process (`python -m pipeline.stages.runner`, which the
 supervisor starts; `eagle3 run-stage` is the same).
 
 It starts the stage in a new session (so its process group can be signalled as a
@@ -17,11 +17,11 @@ import subprocess
 import threading
 
 from pipeline.config import Workspace, without_secrets
-from pipeline.host import RealHost
-from pipeline.logfile import RotatingLog
-from pipeline.states import StageState, transition
+from pipeline.stages.host import RealHost
+from pipeline.stages.logfile import RotatingLog
+from pipeline.stages.states import StageState, transition
+from pipeline.stages.supervisor import claim_row, record_exit
 from pipeline.store import Store
-from pipeline.supervisor import claim_row, record_exit
 
 DRAIN_AFTER_EXIT_S = 5.0
 
@@ -83,12 +83,12 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline.runner --config FILE --stage STAGE --proc-id N`."""
+    """`python -m pipeline.stages.runner --config FILE --stage STAGE --proc-id N`."""
     import argparse
 
     from pipeline.config import STAGE_NAMES, find_config, load_workspace
 
-    p = argparse.ArgumentParser(prog="python -m pipeline.runner", description="the detached runner of one stage")
+    p = argparse.ArgumentParser(prog="python -m pipeline.stages.runner", description="the detached runner of one stage")
     p.add_argument("--config", required=True)
     p.add_argument("--stage", required=True, choices=STAGE_NAMES)
     p.add_argument("--proc-id", required=True, type=int)

@@ -6,8 +6,8 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from pipeline.diagnosis import Diagnoser
-from pipeline.verdict import Policy, VerdictRecord
+from pipeline.observe.diagnosis import Diagnoser
+from pipeline.observe.verdict import Policy, VerdictRecord
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class ToyServer:
-    """A running toy server (`python -m pipeline.toy_server`, the same as `eagle3 toy-server`)."""
+    """A running toy server (`python -m pipeline.toy.server`, the same as `eagle3 toy-server`)."""
 
     def __init__(self, *flags: str, port: int = 0) -> None:
         self.flags = flags
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.toy_server", "--port", str(port), *flags],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.toy.server", "--port", str(port), *flags],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = self.proc.stdout.readline()
         if "listening on" not in line:

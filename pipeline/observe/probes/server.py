@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from pipeline.probes import Reading, known, unknown
+from pipeline.observe.probes import Reading, known, unknown
 
 INFO_REFRESH_S = 600.0
 INFO_PATHS = ("/server_info", "/get_server_info")  # 0.5.23's name first; the old one logs a warning per call

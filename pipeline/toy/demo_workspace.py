@@ -79,7 +79,7 @@ env = {{ MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS =
 
 def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS) -> Path:
     """Write data, the toy target's HF directory and eagle3.toml into `directory`; returns the config path."""
-    from pipeline.toy_model import export_target
+    from pipeline.toy.model import export_target
 
     directory.mkdir(parents=True, exist_ok=True)
     write_dataset(directory / "data.jsonl")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import StageError
-from pipeline.host import SIGKILL, SIGTERM, Member, RealHost
-from pipeline.states import MAYBE_ALIVE_STATES, StageState, transition
+from pipeline.stages.host import SIGKILL, SIGTERM, Member, RealHost
+from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState, transition
 from pipeline.store import Store
 
 RUNNER_START_TIMEOUT_S = 10.0  # a row no live runner has started by then never will
@@ -115,7 +115,7 @@ class Supervisor:
                 "log": str(self.ws.log_path(stage)), "started_at": self.host.clock(), "stop_requested": 0,
             })
             self.store.add_event(kind="stage-start-requested", run_id=run_id, stage=stage, data={"argv": argv})
-        runner_argv = [sys.executable, "-m", "pipeline.runner", "--config", str(self.ws.path),
+        runner_argv = [sys.executable, "-m", "pipeline.stages.runner", "--config", str(self.ws.path),
                        "--stage", stage, "--proc-id", str(proc_id)]
         runner_pid = self.host.spawn_detached(runner_argv, cwd=str(self.ws.root))
         self.store.update_proc(proc_id, runner_pid=runner_pid, runner_create_time=self.host.create_time(runner_pid))

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import Workspace
-from pipeline.probes.progress import read_manifest
-from pipeline.states import StageState
+from pipeline.observe.probes.progress import read_manifest
+from pipeline.stages.states import StageState
 from pipeline.store import Store
 
 

@@ -6,7 +6,7 @@ import os
 import shutil
 import time
 
-from pipeline.probes import Reading, known, unknown
+from pipeline.observe.probes import Reading, known, unknown
 
 
 def projected_need(*, tokens_left: float | None, layers: int | None, hidden: int | None,

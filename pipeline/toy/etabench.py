@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pipeline.diagnosis import Diagnoser
-from pipeline.simtrace import Trace
+from pipeline.observe.diagnosis import Diagnoser
+from pipeline.toy.simtrace import Trace
 
 CHECKPOINTS = (10, 25, 50, 75)
 

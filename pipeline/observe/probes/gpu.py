@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pipeline.probes import Reading, known, unknown
+from pipeline.observe.probes import Reading, known, unknown
 
 
 class RealNvml:

@@ -31,7 +31,7 @@ def render(observations: list[dict], *, stage: str, out: Path, events: list[dict
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
-    from pipeline.diagnosis import Diagnoser
+    from pipeline.observe.diagnosis import Diagnoser
 
     obs = [o for o in observations if isinstance(o.get("t"), (int, float))]
     gpus = any(o.get("gpus") for o in obs)

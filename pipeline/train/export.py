@@ -1,7 +1,7 @@
 """`eagle3 export CHECKPOINT --out DIR`: a training checkpoint as SGLang's EAGLE-3 draft directory.
 
 config.json (LlamaForCausalLMEagle3) and model.safetensors with exactly the names SGLang
-0.5.23 loads. The output is checked with SGLang's own load rules (`pipeline.sglang_draft`)
+0.5.23 loads. The output is checked with SGLang's own load rules (`pipeline.draft.sglang`)
 before it is moved into place; a problem refuses the export, naming each.
 """
 
@@ -59,7 +59,7 @@ def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | No
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.sglang_draft import check_export
+    from pipeline.draft.sglang import check_export
 
     dtype = torch.bfloat16
     from pipeline.train.checkpoint import read_config

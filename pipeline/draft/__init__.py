@@ -1,0 +1,1 @@
+"""The draft as SGLang reads and runs it: its loading rules checked, its acceptance length measured."""

@@ -1,0 +1,1 @@
+"""The auto-start handoff: verified completion of extraction, then the server stopped, then training."""

@@ -1,0 +1,1 @@
+"""Observation: probes, the sampler, diagnosis, the ETA and verdicts (the spine)."""

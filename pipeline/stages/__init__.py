@@ -1,0 +1,1 @@
+"""Stage processes: supervision, the detached runner, the OS seam, states and logs."""

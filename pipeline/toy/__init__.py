@@ -1,0 +1,1 @@
+"""Stand-ins: the toy target and server, the trace simulator, the ETA scoring, the demo workspace."""
