@@ -69,7 +69,7 @@ def cmd_check_config(args) -> int:
 
 @command("start", "start a stage under a detached runner (training only once extraction is verified complete)")
 def cmd_start(args) -> int:
-    from handlers.views import server_holds_gpus_text, train_guard_text
+    from handlers.render.views import server_holds_gpus_text, train_guard_text
     from pipeline.controller import ServerHoldsGpusError, TrainGuardError
     with _controller(args) as ctl:
         try:
@@ -88,7 +88,7 @@ def cmd_start(args) -> int:
 
 @command("autostart", "on: train by itself once extraction is verified complete; off: cancel (until launch)")
 def cmd_autostart(args) -> int:
-    from handlers.views import autostart_refused, autostart_text
+    from handlers.render.views import autostart_refused, autostart_text
     on = args.state == "on"
     with _controller(args) as ctl:
         result = ctl.autostart(on, by=_who())
@@ -100,7 +100,7 @@ def cmd_autostart(args) -> int:
 
 @command("remind", "check back later: a reminder with the status after 30m, 1h, … or at the extraction ETA")
 def cmd_remind(args) -> int:
-    from handlers.views import clock_time
+    from handlers.render.views import clock_time
     with _controller(args) as ctl:
         r = ctl.remind(args.when, by=_who())
     note = "" if r["monitor_running"] else " (no monitor is running: start `eagle3 serve` so it is delivered)"
@@ -114,7 +114,7 @@ def _who() -> str:
 
 @command("stop", "stop a stage (or --all): SIGTERM to its process group, grace, SIGKILL")
 def cmd_stop(args) -> int:
-    from handlers.views import stop_text
+    from handlers.render.views import stop_text
     if not args.all and not args.stage:
         raise UserError("stop: name a stage (server, extract, train) or pass --all")
     with _controller(args) as ctl:
@@ -127,7 +127,7 @@ def cmd_stop(args) -> int:
 
 @command("status", "run id and each stage's state, pid, uptime, exit code, log")
 def cmd_status(args) -> int:
-    from handlers.views import status_text
+    from handlers.render.views import status_text
     with _controller(args) as ctl:
         status = ctl.status()
     print(json.dumps(status) if args.json else status_text(status))
@@ -173,7 +173,7 @@ def cmd_serve(args) -> int:
 def cmd_diagnose(args) -> int:
     if args.replay:
         return _replay(args)
-    from handlers.views import verdict_line
+    from handlers.render.views import verdict_line
     with _controller(args) as ctl:
         status = ctl.status()
     for name, st in status["stages"].items():
@@ -182,7 +182,7 @@ def cmd_diagnose(args) -> int:
 
 
 def _replay(args) -> int:
-    from handlers.views import replay_timeline_line
+    from handlers.render.views import replay_timeline_line
     from pipeline.observe.replay import replay
     try:
         fh = sys.stdin if args.replay == "-" else open(args.replay, encoding="utf-8", errors="replace")  # noqa: SIM115

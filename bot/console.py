@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from handlers.blocks import blocks_text
+from handlers.render.blocks import blocks_text
 
 
 class ConsoleClient:

@@ -68,7 +68,7 @@ def run_demo(slack_channel: str | None = None) -> int:
         # the run's status message first: milestones and handoff steps are replies in its thread
         notifier.post_status(ctl.store, ctl.status(sample_if_unmonitored=False), ctl.state_version())
         _say("2. an operator asks: train now? — the train-now guard answers:")
-        from handlers.views import train_guard_text
+        from handlers.render.views import train_guard_text
         from pipeline.controller import TrainGuardError
         try:
             ctl.start("train")

@@ -15,14 +15,14 @@ import time
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
-from handlers.alerts import (
+from handlers.render.alerts import (
     alert_buttons,
     chart_request_text,
     escalation_text,
     event_message,
     milestone_text,
 )
-from handlers.blocks import status_blocks, text_blocks
+from handlers.render.blocks import status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.store import Store
 
@@ -34,7 +34,7 @@ SCOPE_NOTE = ("(the chart was not posted: the app lacks the `files:write` scope;
               "Permissions and reinstall the app)")
 RETRYABLE = {"internal_error", "fatal_error", "service_unavailable", "request_timeout", "ratelimited"}
 # Refusals a person can fix (invite the bot, add a scope, replace the token): the message waits
-# and is retried slowly, never dropped; `eagle3 status` says what to do (handlers.views.slack_hint).
+# and is retried slowly, never dropped; `eagle3 status` says what to do (handlers.render.views.slack_hint).
 FIXABLE = {"not_in_channel", "channel_not_found", "missing_scope", "is_archived", "invalid_auth", "not_authed",
            "token_revoked", "account_inactive", "no_permission"}
 

@@ -6,9 +6,9 @@ import json
 import threading
 import time
 
-from handlers.alerts import ACTION_LOGS, ACTION_SNOOZE
 from handlers.auth import refusal
-from handlers.blocks import (
+from handlers.render.alerts import ACTION_LOGS, ACTION_SNOOZE
+from handlers.render.blocks import (
     ACTION_AUTOSTART,
     ACTION_CANCEL,
     ACTION_CONFIRM,
@@ -17,7 +17,7 @@ from handlers.blocks import (
     status_blocks,
     text_blocks,
 )
-from handlers.views import SLASH, autostart_text, slack_time
+from handlers.render.views import SLASH, autostart_text, slack_time
 from pipeline.errors import UserError
 
 STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # the status post's buttons
@@ -113,7 +113,7 @@ def _describe(action: dict) -> str:
 
 
 def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
-    from handlers.views import stop_text
+    from handlers.render.views import stop_text
 
     v = _value(action)
     ctl = controller_factory()

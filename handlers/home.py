@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-from handlers.alerts import event_message
-from handlers.blocks import status_blocks
-from handlers.views import slack_time
+from handlers.render.alerts import event_message
+from handlers.render.blocks import status_blocks
+from handlers.render.views import slack_time
 
 log = logging.getLogger("eagle3.home")
 RECENT = 5

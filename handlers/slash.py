@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 from handlers.auth import MUTATING, redact, refusal
-from handlers.blocks import confirm_blocks, status_blocks, text_blocks
-from handlers.views import (
+from handlers.render.blocks import confirm_blocks, status_blocks, text_blocks
+from handlers.render.views import (
     SLASH,
     ago,
     autostart_text,

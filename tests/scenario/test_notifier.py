@@ -160,7 +160,7 @@ def test_ok_false_permanent_error_is_kept_as_failed_and_does_not_block_the_chann
 def test_a_fixable_refusal_waits_and_is_delivered_once_fixed(env, error):
     """Slack refuses until someone invites the bot (or adds the scope): nothing is dropped, order is kept,
     retries are slow, and `eagle3 status` says what to do."""
-    from handlers.views import status_text
+    from handlers.render.views import status_text
     from pipeline.controller import Controller
 
     n, store, fake = env["notifier"](fixable_retry_s=60.0), env["store"], env["fake"]
@@ -188,7 +188,7 @@ def test_a_fixable_refusal_waits_and_is_delivered_once_fixed(env, error):
 
 
 def test_network_failure_is_named_with_its_cause(env):
-    from handlers.views import slack_hint
+    from handlers.render.views import slack_hint
 
     n, store = env["notifier"](), env["store"]
     n.tick(store)
@@ -247,7 +247,7 @@ def test_console_transport_prints_blocks_as_text_with_its_own_cursor(env, capsys
 
 
 def test_status_says_how_many_messages_wait_and_why(env):
-    from handlers.views import status_text
+    from handlers.render.views import status_text
 
     n, store, fake = env["notifier"](), env["store"], env["fake"]
     n.tick(store)
@@ -286,7 +286,7 @@ def test_events_from_before_the_start_are_history_but_the_first_ticks_own_are_po
 @pytest.mark.parametrize("answer", ["invalid_auth", "ok"])
 def test_serve_checks_its_token_once_at_start(env, answer, caplog):
     from bot.service import Delivery
-    from handlers.views import status_text
+    from handlers.render.views import status_text
     from pipeline.controller import Controller
 
     if answer != "ok":

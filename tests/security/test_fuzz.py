@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handlers.alerts import ACTION_LOGS, ACTION_SNOOZE
-from handlers.blocks import (
+from handlers.render.alerts import ACTION_LOGS, ACTION_SNOOZE
+from handlers.render.blocks import (
     ACTION_AUTOSTART,
     ACTION_CANCEL,
     ACTION_CONFIRM,

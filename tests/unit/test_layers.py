@@ -1,4 +1,4 @@
-"""Imports flow one way: bot -> handlers -> pipeline."""
+"""Imports flow one way: bot -> handlers -> pipeline; inside a layer, rooms keep their doors."""
 
 import ast
 from pathlib import Path
@@ -73,7 +73,7 @@ def test_scanner_sees_imports(tmp_path):
 def test_status_path_does_not_import_torch():
     import subprocess
     import sys
-    code = ("import sys, bot.cli, pipeline.controller, handlers.views; "
+    code = ("import sys, bot.cli, pipeline.controller, handlers.render.views; "
             "print(sorted(m for m in ('torch', 'sglang') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -82,3 +82,49 @@ def test_status_path_does_not_import_torch():
 def test_bench_imports_no_test_code():
     offenders = {str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.py") if "tests" in imported_roots(p)}
     assert offenders == set()
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Full dotted names this file imports (`from pipeline.observe import eta` → pipeline.observe.eta)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+# Rooms inside a layer: what a room may not reach. The monitor and automation drive the handoff from
+# the verdicts, so they sit at pipeline/'s top, above both observe/ and handoff/; nothing but the
+# demo and the stand-ins themselves runs on pipeline/toy/; the wording never calls a listener.
+ROOMS = {
+    "pipeline/observe": ("pipeline.handoff", "pipeline.automation", "pipeline.monitor", "pipeline.controller",
+                         "pipeline.toy"),
+    "pipeline/stages": ("pipeline.observe", "pipeline.handoff", "pipeline.automation", "pipeline.controller",
+                        "pipeline.toy"),
+    "pipeline/handoff": ("pipeline.automation", "pipeline.monitor", "pipeline.controller", "pipeline.toy"),
+    "pipeline/extract": ("pipeline.train", "pipeline.handoff", "pipeline.stages", "pipeline.toy"),
+    "pipeline/train": ("pipeline.extract", "pipeline.handoff", "pipeline.stages", "pipeline.toy"),
+    "pipeline/draft": ("pipeline.handoff", "pipeline.stages", "pipeline.toy"),
+    "handlers/render": ("handlers.slash", "handlers.buttons", "handlers.home"),
+}
+ROOM_FILES = [str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").glob("*.py")]
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_rooms_keep_their_doors(room):
+    offenders = {}
+    for path in (ROOT / room).rglob("*.py"):
+        bad = sorted(m for m in imported_modules(path) | {f"{r}." for r in started_modules(path)}
+                     if any(m == f or m.startswith(f + ".") for f in ROOMS[room]))
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = bad
+    assert offenders == {}
+
+
+@pytest.mark.parametrize("path", ROOM_FILES)
+def test_the_core_never_runs_on_the_stand_ins(path):
+    assert not any(m.startswith("pipeline.toy") for m in imported_modules(ROOT / path)), path

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handlers.blocks import _details
+from handlers.render.blocks import _details
 
 
 def test_training_details_show_loss_kl_and_steps_per_second():
@@ -19,7 +19,7 @@ def test_training_details_show_loss_kl_and_steps_per_second():
 
 
 def test_gpus_like_gpustat_with_unknowns_shown_as_unknown():
-    from handlers.views import gpus_text
+    from handlers.render.views import gpus_text
 
     text = gpus_text([
         {"index": 0, "name": "NVIDIA H200", "util": 97.0, "mem_used_mb": 75000.0, "mem_total_mb": 143771.0,

@@ -30,7 +30,7 @@ def test_no_eta_before_three_intervals():
 
 
 def test_eta_line_gives_the_band_and_the_finish_time():
-    from handlers.views import eta_line
+    from handlers.render.views import eta_line
 
     st = {"state": "running", "verdict": "progressing", "progress_pct": 49.4, "done": 18421, "failed": 3,
           "total": 37312, "eta_s": 17280.0, "eta_low_s": 15000.0, "eta_high_s": 19800.0}
@@ -42,8 +42,8 @@ def test_eta_line_gives_the_band_and_the_finish_time():
 
 
 def test_slack_times_render_in_the_readers_zone_and_plain_on_a_terminal():
-    from handlers.blocks import blocks_text
-    from handlers.views import eta_line, slack_time
+    from handlers.render.blocks import blocks_text
+    from handlers.render.views import eta_line, slack_time
 
     t = 1_790_000_000
     assert slack_time(t) == f"<!date^{t}^{{time}}|{time.strftime('%H:%M UTC', time.gmtime(t))}>"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from handlers.alerts import event_message
+from handlers.render.alerts import event_message
 from pipeline.handoff.machine import CANCELLABLE, FOLLOWED, HandoffStep
 from pipeline.observe.verdict import VERDICTS, Verdict, VerdictRecord
 

@@ -13,7 +13,7 @@ from slack_sdk.models.blocks import (
     SectionBlock,
 )
 
-from handlers.views import ago, plain_times, slack_time
+from handlers.render.views import ago, plain_times, slack_time
 from pipeline.handoff.machine import CANCELLABLE, TRAINING
 
 SECTION_LIMIT = 3000

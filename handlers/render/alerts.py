@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from handlers.auth import redact
-from handlers.views import ago
+from handlers.render.views import ago
 from pipeline.observe.verdict import Verdict
 
 ACTION_LOGS, ACTION_SNOOZE = "eagle3_show_logs", "eagle3_snooze"
