@@ -70,7 +70,7 @@ _PROFILE_SQL = (
 
 def _latency_profile(conn: sqlite3.Connection):
     """The `LatencyProfile` of the done samples; None for a manifest from before latencies were kept."""
-    from pipeline.observe.eta import LatencyMoments, LatencyProfile
+    from pipeline.observe.latency import LatencyMoments, LatencyProfile
 
     try:
         rows = conn.execute(_PROFILE_SQL).fetchall()

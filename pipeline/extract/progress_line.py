@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 import time
 
-from pipeline.observe.eta import EtaEstimator, LatencyProfile
+from pipeline.observe.eta import EtaEstimator
+from pipeline.observe.latency import LatencyProfile
 from pipeline.observe.verdict import fmt_s
 
 

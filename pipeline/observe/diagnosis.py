@@ -20,7 +20,9 @@ from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipeline.observe.eta import CostModel, EtaEstimator, LatencyProfile
+from pipeline.observe.costfit import CostModel
+from pipeline.observe.eta import EtaEstimator
+from pipeline.observe.latency import LatencyProfile
 from pipeline.observe.verdict import (
     Policy,
     VerdictRecord,

@@ -12,7 +12,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from pipeline.observe.eta import LatencyProfile
+from pipeline.observe.latency import LatencyProfile
 
 HIDDEN = 7168
 LAYERS = 4

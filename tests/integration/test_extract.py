@@ -145,7 +145,7 @@ def test_parse_workers_write_what_the_client_threads_write(toy, tmp_path):
                 y.view(-1).view(torch.uint8)), (name, k)
     assert manifest_rows(tmp_path / "w0") == manifest_rows(tmp_path / "w2")
     from pipeline.manifest import summarize
-    from pipeline.observe.eta import LatencyProfile
+    from pipeline.observe.latency import LatencyProfile
 
     for w in ("w0", "w2"):  # both paths time each request; the manifest's latency profile counts them all
         conn = sqlite3.connect(tmp_path / w / "manifest.sqlite")

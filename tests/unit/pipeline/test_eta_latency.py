@@ -8,7 +8,8 @@ import sqlite3
 import pytest
 
 from pipeline.manifest import SCHEMA, Manifest, summarize
-from pipeline.observe.eta import EtaEstimator, LatencyMoments, LatencyProfile, length_bin
+from pipeline.observe.eta import EtaEstimator
+from pipeline.observe.latency import LatencyMoments, LatencyProfile, length_bin
 from pipeline.toy.etabench import eta_errors
 from pipeline.toy.simtrace import Scenario, simulate
 

@@ -1,0 +1,160 @@
+"""Decayed weighted non-negative least squares of time on the work done: the fit under the ETA.
+
+Rows are (samples, tokens, Σtokens²) against seconds; the coefficients are non-negative (a cost
+cannot be negative): the best fit over every subset of the terms is kept, and the uncertainty comes
+from the unconstrained fit. See `pipeline/observe/eta.py` for how the ETA uses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+TERMS = 3  # samples, tokens, tokens²
+
+
+@dataclass
+class NormalSums:
+    """Decayed normal equations: X'X, X'y, y'y over rows x = (samples, tokens, tokens²), y = seconds."""
+
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * TERMS for _ in range(TERMS)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * TERMS)
+    yy: float = 0.0
+    count: float = 0.0
+
+    def scale(self, f: float) -> None:
+        self.xx = [[v * f for v in row] for row in self.xx]
+        self.xy = [v * f for v in self.xy]
+        self.yy *= f
+        self.count *= f
+
+    def add(self, x: list[float], y: float) -> None:
+        for i in range(TERMS):
+            self.xy[i] += x[i] * y
+            for j in range(TERMS):
+                self.xx[i][j] += x[i] * x[j]
+        self.yy += y * y
+        self.count += 1
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when (nearly) singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-9:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_nonnegative(s: NormalSums, present: list[bool]) -> tuple[tuple[float, ...], tuple] | None:
+    """Non-negative least squares from the normal equations: the best fit over every subset of the
+    terms with all coefficients ≥ 0, and (terms, scale, scaled X'X, residual variance) of the
+    unconstrained fit for the standard errors; None before any data."""
+    if s.count <= 0 or s.xx[0][0] <= 0:
+        return None
+    usable = [i for i in range(TERMS) if present[i] and s.xx[i][i] > 0]
+    scale = {i: math.sqrt(s.xx[i][i]) for i in usable}
+    best: tuple[float, list[float], tuple[int, ...]] | None = None
+    for r in range(1, len(usable) + 1):
+        for sub in itertools.combinations(usable, r):
+            a = [[s.xx[i][j] / (scale[i] * scale[j]) for j in sub] for i in sub]
+            beta = _solve(a, [s.xy[i] / scale[i] for i in sub])
+            if beta is None or min(beta) < 0:
+                continue
+            # residual sum of squares, in the scaled coordinates: y'y − 2β'X'y + β'X'Xβ
+            rss = s.yy - 2 * sum(bi * s.xy[i] / scale[i] for bi, i in zip(beta, sub, strict=True)) + sum(
+                beta[p] * beta[q] * a[p][q] for p in range(r) for q in range(r))
+            if best is None or rss < best[0] - 1e-12 * max(s.yy, 1.0):
+                best = (rss, beta, sub)
+    if best is None:
+        return None
+    coef = [0.0] * TERMS
+    for bi, i in zip(best[1], best[2], strict=True):
+        coef[i] = bi / scale[i]
+    coef_t = tuple(coef)
+    # The uncertainty comes from the unconstrained fit over every usable term: a constrained fit
+    # that lands on a bound (a term dropped) would claim a precision it does not have.
+    full = tuple(usable)
+    a_full = [[s.xx[i][j] / (scale[i] * scale[j]) for j in full] for i in full]
+    beta = _solve(a_full, [s.xy[i] / scale[i] for i in full])
+    if beta is None:
+        full, a_full, rss = best[2], [[s.xx[i][j] / (scale[i] * scale[j]) for j in best[2]] for i in best[2]], best[0]
+    else:
+        rss = s.yy - 2 * sum(bi * s.xy[i] / scale[i] for bi, i in zip(beta, full, strict=True)) + sum(
+            beta[p] * beta[q] * a_full[p][q] for p in range(len(full)) for q in range(len(full)))
+    return coef_t, (full, scale, a_full, max(rss, 0.0) / max(s.count - len(full), 1.0))
+
+
+class CostModel:
+    """Decayed weighted non-negative least squares of time on the work done."""
+
+    def __init__(self, *, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self.sums = NormalSums()
+        self.last_t: float | None = None
+        self.present = [True] * TERMS  # a term counts only if every row carried it
+        self._coef: tuple[float, ...] | None = None
+        self._dirty = True
+
+    def add(self, *, t: float, dt: float, samples: float, tokens: float | None,
+            tokens_sq: float | None = None) -> None:
+        """Record that `samples` (with `tokens` and Σtokens² `tokens_sq`) took `dt` seconds, ending at `t`."""
+        self._decay(t)
+        x = [samples, tokens, tokens_sq]
+        for i, v in enumerate(x):
+            if v is None:
+                self.present[i] = False
+        self.sums.add([v or 0.0 for v in x], dt)
+
+    def _decay(self, t: float) -> None:
+        if self.last_t is not None and t > self.last_t:
+            self.sums.scale(0.5 ** ((t - self.last_t) / self.half_life_s))
+        self.last_t = t
+        self._dirty = True
+
+    def coefficients(self) -> tuple[float, ...] | None:
+        """(seconds per sample, per token, per token²), all ≥ 0, or None before any data."""
+        if self._dirty:
+            self._dirty = False
+            got = fit_nonnegative(self.sums, self.present)
+            self._coef, self._fit = got if got is not None else (None, None)
+        return self._coef
+
+    def sigma2(self) -> float:
+        """The residual variance of a row (0 before a fit)."""
+        return self._fit[3] if self.coefficients() is not None else 0.0
+
+    def predict_sd(self, *, samples: float, tokens: float | None, tokens_sq: float | None = None) -> float | None:
+        """The standard error of `predict` for this much work: σ·√(x'(X'X)⁻¹x) with σ from the residuals.
+        Large where the fit extrapolates (long prompts still to come, seen only short ones)."""
+        if self.coefficients() is None:
+            return None
+        chosen, scale, a, sigma2 = self._fit
+        values = (samples, tokens, tokens_sq)
+        x = [(values[i] or 0.0) / scale[i] for i in chosen]
+        v = _solve(a, x)
+        if v is None:
+            return None
+        return math.sqrt(max(sigma2 * sum(p * q for p, q in zip(x, v, strict=True)), 0.0))
+
+    def predict(self, *, samples: float, tokens: float | None, tokens_sq: float | None = None) -> float | None:
+        """Seconds to process `samples` more (with `tokens` and Σtokens² `tokens_sq` more); None if a
+        fitted term has no value to multiply."""
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        total = 0.0
+        for c, v in zip(coef, (samples, tokens, tokens_sq), strict=True):
+            if c > 0:
+                if v is None:
+                    return None
+                total += c * v
+        return total
