@@ -7,25 +7,44 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import DEFAULT_CONFIG_NAME, STAGE_NAMES, load_workspace
 from pipeline.errors import UserError
 
-COMMANDS: dict[str, str] = {}  # name -> one-line help; iterated by the docs test
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line help, an example, its arguments (or a function that adds them), its handler."""
+
+    help: str
+    example: str
+    args: tuple | Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int]
 
 
-def command(name: str, help_text: str):
-    """Register a subcommand handler with its one-line help."""
+COMMANDS: dict[str, Command] = {}  # iterated by the parser and the docs test
+
+
+def arg(*flags: str, **kwargs) -> tuple[tuple[str, ...], dict]:
+    """One argument of a command, as `argparse.add_argument` takes it."""
+    return flags, kwargs
+
+
+def command(name: str, help_text: str, *, example: str, args=()):
+    """Register a subcommand handler with its one-line help, an example and its arguments."""
     def deco(fn):
-        COMMANDS[name] = help_text
-        fn.command_name = name
-        _HANDLERS[name] = fn
+        COMMANDS[name] = Command(help_text, example, args, fn)
         return fn
     return deco
 
 
-_HANDLERS: dict = {}
+def toy_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """`toy-server`'s flags live with the toy server, free of torch so that the CLI starts fast."""
+    from pipeline.toy.args import add_arguments
+    add_arguments(parser)
 
 
 def _controller(args):
@@ -33,7 +52,10 @@ def _controller(args):
     return Controller.open(args.config)
 
 
-@command("init", "write a commented production config template, or --demo a runnable toy workspace")
+@command("init", "write a commented production config template, or --demo a runnable toy workspace",
+         example="eagle3 init /srv/eagle3   |   eagle3 init --demo /tmp/e3demo",
+         args=(arg("dir", nargs="?", help="directory to write eagle3.toml into (default: .)"),
+               arg("--demo", action="store_true", help="a runnable toy pipeline (toy server, extraction, CPU training)")))
 def cmd_init(args) -> int:
     from pipeline.templates import production_template
     target = Path(args.dir or ".") / DEFAULT_CONFIG_NAME
@@ -51,7 +73,12 @@ def cmd_init(args) -> int:
     return 0
 
 
-@command("check-config", "validate a config file without touching any state (every problem, one line each)")
+@command("check-config", "validate a config file without touching any state (every problem, one line each)",
+         example="eagle3 check-config /srv/eagle3/eagle3.toml",
+         args=(arg("file", nargs="?", help="config to check (default: the usual lookup)"),
+               arg("--service-path", metavar="PATH", default=None,
+                   help="PATH stage commands are looked up on (default: systemd's, "
+                        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin)")))
 def cmd_check_config(args) -> int:
     from pipeline.config import find_config
     from pipeline.configcheck import problems
@@ -67,7 +94,11 @@ def cmd_check_config(args) -> int:
     return 0
 
 
-@command("start", "start a stage under a detached runner (training only once extraction is verified complete)")
+@command("start", "start a stage under a detached runner (training only once extraction is verified complete)",
+         example="eagle3 start extract",
+         args=(arg("stage", choices=STAGE_NAMES),
+               arg("--force", action="store_true",
+                   help="start training although extraction is not verified complete (audited)")))
 def cmd_start(args) -> int:
     from handlers.render.views import server_holds_gpus_text, train_guard_text
     from pipeline.controller import ServerHoldsGpusError, TrainGuardError
@@ -86,7 +117,9 @@ def cmd_start(args) -> int:
     return 0
 
 
-@command("autostart", "on: train by itself once extraction is verified complete; off: cancel (until launch)")
+@command("autostart", "on: train by itself once extraction is verified complete; off: cancel (until launch)",
+         example="eagle3 autostart on",
+         args=(arg("state", choices=("on", "off")),))
 def cmd_autostart(args) -> int:
     from handlers.render.views import autostart_refused, autostart_text
     on = args.state == "on"
@@ -98,7 +131,9 @@ def cmd_autostart(args) -> int:
     return 0
 
 
-@command("remind", "check back later: a reminder with the status after 30m, 1h, … or at the extraction ETA")
+@command("remind", "check back later: a reminder with the status after 30m, 1h, … or at the extraction ETA",
+         example="eagle3 remind 1h   |   eagle3 remind eta",
+         args=(arg("when", help="30m, 1h, 90s … or eta"),))
 def cmd_remind(args) -> int:
     from handlers.render.views import clock_time
     with _controller(args) as ctl:
@@ -112,7 +147,11 @@ def _who() -> str:
     return f"cli:{os.environ.get('USER') or os.environ.get('LOGNAME') or os.getuid()}"
 
 
-@command("stop", "stop a stage (or --all): SIGTERM to its process group, grace, SIGKILL")
+@command("stop", "stop a stage (or --all): SIGTERM to its process group, grace, SIGKILL",
+         example="eagle3 stop extract --grace 60   |   eagle3 stop --all",
+         args=(arg("stage", nargs="?", choices=STAGE_NAMES),
+               arg("--all", action="store_true", help="stop every stage and close the run"),
+               arg("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL")))
 def cmd_stop(args) -> int:
     from handlers.render.views import stop_text
     if not args.all and not args.stage:
@@ -125,7 +164,9 @@ def cmd_stop(args) -> int:
     return 1 if any(r.survivors for r in results) else 0
 
 
-@command("status", "run id and each stage's state, pid, uptime, exit code, log")
+@command("status", "run id and each stage's state, pid, uptime, exit code, log",
+         example="eagle3 status --json | jq .stages.extract.eta_s",
+         args=(arg("--json", action="store_true", help="one JSON object"),))
 def cmd_status(args) -> int:
     from handlers.render.views import status_text
     with _controller(args) as ctl:
@@ -134,7 +175,10 @@ def cmd_status(args) -> int:
     return 0
 
 
-@command("logs", "print the last lines of a stage's log")
+@command("logs", "print the last lines of a stage's log",
+         example="eagle3 logs extract -n 200",
+         args=(arg("stage", choices=STAGE_NAMES),
+               arg("-n", type=int, default=50, help="lines to show (default 50)")))
 def cmd_logs(args) -> int:
     with _controller(args) as ctl:
         path, lines = ctl.logs(args.stage, lines=args.n)
@@ -145,14 +189,26 @@ def cmd_logs(args) -> int:
     return 0
 
 
-@command("run-stage", "internal: the detached runner that owns one stage process")
+@command("run-stage", "internal: the detached runner that owns one stage process",
+         example="(started by `eagle3 start`, not by hand)",
+         args=(arg("--stage", required=True, choices=STAGE_NAMES),
+               arg("--proc-id", required=True, type=int)))
 def cmd_run_stage(args) -> int:
     from pipeline.config import find_config
     from pipeline.stages.runner import run_stage
     return run_stage(ws=load_workspace(find_config(args.config)), stage=args.stage, proc_id=args.proc_id)
 
 
-@command("serve", "run the monitor, the handoff and the Slack app until stopped; stages keep running")
+@command("serve", "run the monitor, the handoff and the Slack app until stopped; stages keep running",
+         example="eagle3 serve   |   eagle3 serve --http --port 3000 --metrics-port 9464",
+         args=(arg("--max-ticks", type=int, default=None, help="exit after N ticks (scripts, tests)"),
+               arg("--http", action="store_true", help="serve Slack's HTTP events at /slack/events (signed)"),
+               arg("--port", type=int, default=3000, help="port for --http (default 3000; 0: any)"),
+               arg("--host", default="127.0.0.1", help="address for --http (default 127.0.0.1)"),
+               arg("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics at http://[metrics] host:P/metrics (0: any free port)"),
+               arg("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="eagle3's own log level (default info); debug also shows the libraries' logs")))
 def cmd_serve(args) -> int:
     import logging
 
@@ -169,7 +225,10 @@ def cmd_serve(args) -> int:
                  http_port=args.port if args.http else None, host=args.host, metrics_port=args.metrics_port)
 
 
-@command("diagnose", "verdicts: of the live workspace, or --replay a recorded observation trace")
+@command("diagnose", "verdicts: of the live workspace, or --replay a recorded observation trace",
+         example="eagle3 diagnose --replay incident.jsonl --json",
+         args=(arg("--replay", metavar="FILE", help="observation JSONL to replay ('-' for stdin)"),
+               arg("--json", action="store_true", help="one JSON object per processed line")))
 def cmd_diagnose(args) -> int:
     if args.replay:
         return _replay(args)
@@ -207,7 +266,11 @@ def _replay(args) -> int:
     return 0
 
 
-@command("export-trace", "write stored observations as JSONL (the replay format)")
+@command("export-trace", "write stored observations as JSONL (the replay format)",
+         example="eagle3 export-trace --stage extract --since 2026-12-04T08:00 --out trace.jsonl",
+         args=(arg("--stage", choices=STAGE_NAMES),
+               arg("--since", help="unix seconds or ISO 8601"),
+               arg("--out", help="file to write (default: stdout)")))
 def cmd_export_trace(args) -> int:
     from pipeline.timeparse import parse_time
     since = parse_time(args.since) if args.since else None
@@ -224,7 +287,28 @@ def cmd_export_trace(args) -> int:
     return 0
 
 
-@command("extract", "extract hidden states from an SGLang server into OUT (resumable)")
+@command("extract", "extract hidden states from an SGLang server into OUT (resumable)",
+         example="eagle3 extract --server http://127.0.0.1:30000 --data train.jsonl --out /data/hs",
+         args=(arg("--server", required=True, help="SGLang base URL, e.g. http://127.0.0.1:30000"),
+               arg("--data", required=True, help="JSONL, one sample a line with input_ids and an optional id"),
+               arg("--out", required=True, help="output directory (hidden_states/ and manifest.sqlite)"),
+               arg("--concurrency", type=int, default=32, help="requests in flight (default 32)"),
+               arg("--max-retries", type=int, default=3, help="retries of a sample with a bad answer (default 3)"),
+               arg("--mode", choices=("inline", "dump"), default="inline"),
+               arg("--layers", type=int, help="layers per returned row (default: from /server_info)"),
+               arg("--target-topk", type=int, help="top-K target logprobs when the final layer is absent (default 20)"),
+               arg("--dtype", default="bf16", help="bf16 (default), fp16 or fp32"),
+               arg("--dump-field", default="hidden_states_path", help="dump mode: meta_info field naming the file"),
+               arg("--server-wait", type=float, default=600.0, help="seconds to wait for an unreachable server"),
+               arg("--force", action="store_true", help="continue into an OUT made from another dataset"),
+               arg("--parse-workers", type=int, metavar="N",
+                   help="processes that request, parse, check and write the samples, so that extraction is not capped "
+                        "at one core (default: cores - 1; 0: threads inside the client)"),
+               arg("--max-inflight-gb", type=float, metavar="G",
+                   help="memory for answers in flight: a request waits until its answer fits (default: a quarter of "
+                        "the memory available at start)"),
+               arg("--parser", choices=("fast", "json"), default="fast",
+                   help="fast (default): hidden states parsed by simdjson into arrays; json: json.loads (slow)")))
 def cmd_extract(args) -> int:
     from pipeline.extract.client import Options, extract
     return extract(Options(server=args.server, data=Path(args.data), out=Path(args.out), concurrency=args.concurrency,
@@ -234,7 +318,10 @@ def cmd_extract(args) -> int:
                            max_inflight_gb=args.max_inflight_gb, parse_workers=args.parse_workers))
 
 
-@command("verify", "open random extracted files and check keys, shapes, token ids and finiteness")
+@command("verify", "open random extracted files and check keys, shapes, token ids and finiteness",
+         example="eagle3 verify /data/hs --sample 500",
+         args=(arg("out", help="extraction output directory"),
+               arg("--sample", type=int, default=200, help="files to open (default 200)")))
 def cmd_verify(args) -> int:
     from pipeline.extract.verify import describe, verify
     res = verify(Path(args.out), sample=args.sample)
@@ -244,19 +331,27 @@ def cmd_verify(args) -> int:
     return 0 if res.ok and res.checked else 2
 
 
-@command("toy-server", "a tiny SGLang-compatible target on loopback (demo, tests, benchmarks)")
+@command("toy-server", "a tiny SGLang-compatible target on loopback (demo, tests, benchmarks)",
+         example="eagle3 toy-server --port 30000",
+         args=toy_server_arguments)
 def cmd_toy_server(args) -> int:
     from pipeline.toy.server import serve as toy_serve
     return toy_serve(args)
 
 
-@command("train", "the EAGLE-3 draft trainer itself (run it under torchrun); same flags as python -m pipeline.train")
+@command("train", "the EAGLE-3 draft trainer itself (run it under torchrun); same flags as python -m pipeline.train",
+         example="eagle3 train --data /data/hs --lm-head lm_head.safetensors --out ckpt --steps 2000",
+         args=(arg("train_args", nargs=argparse.REMAINDER, help="--data OUT --out CKPT --steps N …"),))
 def cmd_train(args) -> int:
     from pipeline.train.loop import main as train_main
     return train_main(args.train_args)
 
 
-@command("chart", "draw a stage's run as a PNG: progress with the ETA band, rates, loss, GPUs (UTC)")
+@command("chart", "draw a stage's run as a PNG: progress with the ETA band, rates, loss, GPUs (UTC)",
+         example="eagle3 chart extract --out extract.png",
+         args=(arg("stage", choices=STAGE_NAMES),
+               arg("--run", help="run id (default: the current run)"),
+               arg("--out", required=True, help="PNG file to write")))
 def cmd_chart(args) -> int:
     from pipeline.observe.charts import render_run
     with _controller(args) as ctl:
@@ -268,7 +363,12 @@ def cmd_chart(args) -> int:
     return 0
 
 
-@command("export", "write a training checkpoint as SGLang's EAGLE-3 draft directory (config.json + model.safetensors)")
+@command("export", "write a training checkpoint as SGLang's EAGLE-3 draft directory (config.json + model.safetensors)",
+         example="eagle3 export ckpt --out ckpt/draft",
+         args=(arg("checkpoint", help="a training --out directory (its latest checkpoint) or checkpoints/step_N"),
+               arg("--out", required=True, help="directory to write (replaced atomically)"),
+               arg("--with-embeddings", metavar="TARGET_DIR",
+                   help="also write the target's embedding (SGLang swaps the target's in without it)")))
 def cmd_export(args) -> int:
     from pipeline.train.export import export_checkpoint, launch_line
     out = export_checkpoint(Path(args.checkpoint), Path(args.out),
@@ -278,13 +378,26 @@ def cmd_export(args) -> int:
     return 0
 
 
-@command("eval-draft", "acceptance length τ of an exported draft against the target's greedy continuations")
+@command("eval-draft", "acceptance length τ of an exported draft against the target's greedy continuations",
+         example="eagle3 eval-draft --draft ckpt/draft --server http://127.0.0.1:30000 --data prompts.jsonl --depth 5",
+         args=(arg("--draft", required=True, help="an exported draft directory (eagle3 export, or the trainer's OUT/draft)"),
+               arg("--server", required=True, help="the target's SGLang URL (greedy continuations, aux hidden states)"),
+               arg("--data", required=True, help="JSONL of prompts (input_ids); half learn the bigram baseline"),
+               arg("--target-model", metavar="DIR",
+                   help="the target's HF directory (its embedding), unless the draft was exported --with-embeddings"),
+               arg("--depth", type=int, default=5, help="draft tokens per round, --speculative-num-steps (default 5)"),
+               arg("--prompts", type=int, default=64, help="prompts to read (default 64)"),
+               arg("--new-tokens", type=int, default=96, help="greedy continuation length (default 96)"),
+               arg("--json", action="store_true", help="one JSON object")))
 def cmd_eval_draft(args) -> int:
     from pipeline.draft.evaluate import main as eval_main
     return eval_main(args)
 
 
-@command("demo", "the whole story in a temporary toy workspace: extraction, auto-start, training, summary")
+@command("demo", "the whole story in a temporary toy workspace: extraction, auto-start, training, summary",
+         example="eagle3 demo   |   eagle3 demo --slack-channel C0123456",
+         args=(arg("--slack-channel", metavar="C…",
+                   help="post to this Slack channel as well (needs SLACK_BOT_TOKEN; default: the console transport)"),))
 def cmd_demo(args) -> int:
     from bot.demo import run_demo
     return run_demo(slack_channel=args.slack_channel)
@@ -298,85 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", parents=[common],
                                      description="Operate an EAGLE-3 draft-model training pipeline.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = {name: sub.add_parser(name, parents=[common], help=text, description=text) for name, text in COMMANDS.items()}
-    p["init"].add_argument("dir", nargs="?", help="directory to write eagle3.toml into (default: .)")
-    p["init"].add_argument("--demo", action="store_true", help="a runnable toy pipeline (toy server, extraction, CPU training)")
-    p["start"].add_argument("--force", action="store_true", help="start training although extraction is not verified complete (audited)")
-    p["autostart"].add_argument("state", choices=("on", "off"))
-    p["remind"].add_argument("when", help="30m, 1h, 90s … or eta")
-    p["check-config"].add_argument("file", nargs="?", help="config to check (default: the usual lookup)")
-    p["check-config"].add_argument("--service-path", metavar="PATH", default=None,
-                                   help="PATH stage commands are looked up on (default: systemd's, "
-                                        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin)")
-    p["start"].add_argument("stage", choices=STAGE_NAMES)
-    p["stop"].add_argument("stage", nargs="?", choices=STAGE_NAMES)
-    p["stop"].add_argument("--all", action="store_true", help="stop every stage and close the run")
-    p["stop"].add_argument("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL")
-    p["status"].add_argument("--json", action="store_true", help="one JSON object")
-    p["logs"].add_argument("stage", choices=STAGE_NAMES)
-    p["logs"].add_argument("-n", type=int, default=50, help="lines to show (default 50)")
-    p["serve"].add_argument("--max-ticks", type=int, default=None, help="exit after N ticks (scripts, tests)")
-    p["serve"].add_argument("--http", action="store_true", help="serve Slack's HTTP events at /slack/events (signed)")
-    p["serve"].add_argument("--port", type=int, default=3000, help="port for --http (default 3000; 0: any)")
-    p["serve"].add_argument("--host", default="127.0.0.1", help="address for --http (default 127.0.0.1)")
-    p["serve"].add_argument("--metrics-port", type=int, default=None, metavar="P",
-                            help="serve Prometheus metrics at http://[metrics] host:P/metrics (0: any free port)")
-    p["serve"].add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                            help="eagle3's own log level (default info); debug also shows the libraries' logs")
-    p["diagnose"].add_argument("--replay", metavar="FILE", help="observation JSONL to replay ('-' for stdin)")
-    p["diagnose"].add_argument("--json", action="store_true", help="one JSON object per processed line")
-    p["export-trace"].add_argument("--stage", choices=STAGE_NAMES)
-    p["export-trace"].add_argument("--since", help="unix seconds or ISO 8601")
-    p["export-trace"].add_argument("--out", help="file to write (default: stdout)")
-    e = p["extract"]
-    e.add_argument("--server", required=True, help="SGLang base URL, e.g. http://127.0.0.1:30000")
-    e.add_argument("--data", required=True, help="JSONL, one sample a line with input_ids and an optional id")
-    e.add_argument("--out", required=True, help="output directory (hidden_states/ and manifest.sqlite)")
-    e.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
-    e.add_argument("--max-retries", type=int, default=3, help="retries of a sample with a bad answer (default 3)")
-    e.add_argument("--mode", choices=("inline", "dump"), default="inline")
-    e.add_argument("--layers", type=int, help="layers per returned row (default: from /server_info)")
-    e.add_argument("--target-topk", type=int, help="top-K target logprobs when the final layer is absent (default 20)")
-    e.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
-    e.add_argument("--dump-field", default="hidden_states_path", help="dump mode: meta_info field naming the file")
-    e.add_argument("--server-wait", type=float, default=600.0, help="seconds to wait for an unreachable server")
-    e.add_argument("--force", action="store_true", help="continue into an OUT made from another dataset")
-    e.add_argument("--parse-workers", type=int, metavar="N",
-                   help="processes that request, parse, check and write the samples, so that extraction is not capped "
-                        "at one core (default: cores - 1; 0: threads inside the client)")
-    e.add_argument("--max-inflight-gb", type=float, metavar="G",
-                   help="memory for answers in flight: a request waits until its answer fits (default: a quarter of "
-                        "the memory available at start)")
-    e.add_argument("--parser", choices=("fast", "json"), default="fast",
-                   help="fast (default): hidden states parsed by simdjson into arrays; json: json.loads (slow)")
-    p["verify"].add_argument("out", help="extraction output directory")
-    p["verify"].add_argument("--sample", type=int, default=200, help="files to open (default 200)")
-    from pipeline.toy.args import add_arguments
-    add_arguments(p["toy-server"])
-    p["train"].add_argument("train_args", nargs=argparse.REMAINDER, help="--data OUT --out CKPT --steps N …")
-    p["demo"].add_argument("--slack-channel", metavar="C…", help="post to this Slack channel as well "
-                           "(needs SLACK_BOT_TOKEN; default: the console transport)")
-    c = p["chart"]
-    c.add_argument("stage", choices=STAGE_NAMES)
-    c.add_argument("--run", help="run id (default: the current run)")
-    c.add_argument("--out", required=True, help="PNG file to write")
-    x = p["export"]
-    x.add_argument("checkpoint", help="a training --out directory (its latest checkpoint) or checkpoints/step_N")
-    x.add_argument("--out", required=True, help="directory to write (replaced atomically)")
-    x.add_argument("--with-embeddings", metavar="TARGET_DIR",
-                   help="also write the target's embedding (SGLang swaps the target's in without it)")
-    v = p["eval-draft"]
-    v.add_argument("--draft", required=True, help="an exported draft directory (eagle3 export, or the trainer's OUT/draft)")
-    v.add_argument("--server", required=True, help="the target's SGLang URL (greedy continuations, aux hidden states)")
-    v.add_argument("--data", required=True, help="JSONL of prompts (input_ids); half learn the bigram baseline")
-    v.add_argument("--target-model", metavar="DIR", help="the target's HF directory (its embedding), unless the "
-                                                       "draft was exported --with-embeddings")
-    v.add_argument("--depth", type=int, default=5, help="draft tokens per round, --speculative-num-steps (default 5)")
-    v.add_argument("--prompts", type=int, default=64, help="prompts to read (default 64)")
-    v.add_argument("--new-tokens", type=int, default=96, help="greedy continuation length (default 96)")
-    v.add_argument("--json", action="store_true", help="one JSON object")
-    p["run-stage"].add_argument("--stage", required=True, choices=STAGE_NAMES)
-    p["run-stage"].add_argument("--proc-id", required=True, type=int)
+    for name, spec in COMMANDS.items():
+        cmd = sub.add_parser(name, parents=[common], help=spec.help, description=spec.help,
+                             epilog=f"Example: {spec.example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        if callable(spec.args):
+            spec.args(cmd)
+        else:
+            for flags, kwargs in spec.args:
+                cmd.add_argument(*flags, **kwargs)
     return parser
 
 
@@ -389,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.config = getattr(args, "config", None)
     try:
-        return _HANDLERS[args.command](args)
+        return COMMANDS[args.command].handler(args)
     except UserError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return exc.exit_code

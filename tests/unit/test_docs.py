@@ -21,7 +21,9 @@ def test_command_documented_and_has_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args([name, "--help"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out.startswith(f"usage: eagle3 {name}")
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: eagle3 {name}")
+    assert f"Example: {COMMANDS[name].example}" in out  # each command's help shows it in use
 
 
 @pytest.mark.parametrize("usage", list(SUBCOMMANDS))
