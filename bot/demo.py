@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -61,6 +62,10 @@ def run_demo(slack_channel: str | None = None) -> int:
     monitor = Monitor(ws=ws, on_tick=lambda store, _results: notifier.tick(store))
     thread = threading.Thread(target=monitor.run, name="monitor", daemon=True)
     started = time.time()
+    # Ctrl-C sets a flag the waits check, rather than raising KeyboardInterrupt wherever the main thread
+    # happens to be (inside a store transaction, a stage start): the teardown then runs from a clean place.
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
         _say("1. starting the toy SGLang server and extraction of 300 samples")
         ctl.start("server")
@@ -77,11 +82,11 @@ def run_demo(slack_channel: str | None = None) -> int:
         _say("3. arming auto-start instead; the monitor takes it from here")
         ctl.autostart(True, by="demo")
         thread.start()
-        ok = _wait_for_training(ctl, notifier)
-    except KeyboardInterrupt:
-        _say("interrupted: stopping everything the demo started")
-        ok = False
+        ok = _wait_for_training(ctl, notifier, interrupted)
     finally:
+        signal.signal(signal.SIGINT, previous)
+        if interrupted.is_set():
+            _say("interrupted: stopping everything the demo started")
         monitor.stop()
         if thread.is_alive():
             thread.join(timeout=30)
@@ -94,12 +99,14 @@ def run_demo(slack_channel: str | None = None) -> int:
     return 0 if ok else 1
 
 
-def _wait_for_training(ctl: Controller, notifier) -> bool:
-    """Post the status message (updated in place, as in Slack) every few seconds until training ends."""
+def _wait_for_training(ctl: Controller, notifier, interrupted: threading.Event) -> bool:
+    """Post the status message (updated in place, as in Slack) every few seconds until training ends
+    (False at once on Ctrl-C)."""
     deadline = time.monotonic() + TIMEOUT_S
     last_post = 0.0
     while time.monotonic() < deadline:
-        time.sleep(0.5)
+        if interrupted.wait(0.5):
+            return False
         st = ctl.status(sample_if_unmonitored=False)
         ex = st["stages"]["extract"]
         if time.monotonic() - last_post >= POST_EVERY_S and ex.get("verdict") in ("progressing", "slow"):
