@@ -29,8 +29,8 @@ def _fill(store: Store, n: int) -> None:
         pid = store.insert_proc({"run_id": "r1", "stage": stage, "state": "exited", "pid": 1, "pgid": 1,
                                  "create_time": 1.0, "started_at": 1.0, "ended_at": 2.0, "exit_code": 0,
                                  "argv": "[]", "log": "x", "stop_requested": 0})
-        store.put(f"verdict:{stage}", {"verdict": "done", "proc_id": pid, "final": True, "progress_pct": 100.0,
-                                       "reasons": ["exited 0"], "t": 2.0})
+        store.put_verdict(stage, {"verdict": "done", "proc_id": pid, "final": True, "progress_pct": 100.0,
+                                  "reasons": ["exited 0"], "t": 2.0})
     store.put("monitor", {"t": 1e12})
 
 

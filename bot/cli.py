@@ -171,7 +171,7 @@ def cmd_status(args) -> int:
     from handlers.render.views import status_text
     with _controller(args) as ctl:
         status = ctl.status()
-    print(json.dumps(status) if args.json else status_text(status))
+    print(json.dumps(status.to_json()) if args.json else status_text(status))
     return 0
 
 
@@ -235,8 +235,8 @@ def cmd_diagnose(args) -> int:
     from handlers.render.views import verdict_line
     with _controller(args) as ctl:
         status = ctl.status()
-    for name, st in status["stages"].items():
-        print(f"{name}: {st['state']}" + ("\n" + verdict_line(name, st) if st["state"] != "not-started" else ""))
+    for name, st in status.stages.items():
+        print(f"{name}: {st.state}" + ("\n" + verdict_line(name, st) if st.started else ""))
     return 0
 
 

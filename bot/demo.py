@@ -108,13 +108,13 @@ def _wait_for_training(ctl: Controller, notifier, interrupted: threading.Event) 
         if interrupted.wait(0.5):
             return False
         st = ctl.status(sample_if_unmonitored=False)
-        ex = st["stages"]["extract"]
-        if time.monotonic() - last_post >= POST_EVERY_S and ex.get("verdict") in ("progressing", "slow"):
+        ex = st.stages["extract"]
+        if time.monotonic() - last_post >= POST_EVERY_S and ex.verdict in ("progressing", "slow"):
             last_post = time.monotonic()
             notifier.post_status(ctl.store, st, ctl.state_version())
-        tr = st["stages"]["train"]
-        if tr["state"] in ("exited", "stopped", "unknown"):
-            return tr["state"] == "exited" and tr["exit_code"] == 0
+        tr = st.stages["train"]
+        if tr.state in ("exited", "stopped", "unknown"):
+            return tr.state == "exited" and tr.exit_code == 0
     _say(f"   training did not finish within {TIMEOUT_S:.0f} s")
     return False
 

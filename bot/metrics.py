@@ -47,26 +47,25 @@ class StoreCollector:
             ("eagle3_handoff_step", "1 for the auto-start handoff's current step, 0 for the others.", ["step"]),
         )}
         for stage in STAGE_NAMES:
-            s = st["stages"][stage]
-            if s.get("progress_pct") is not None:
-                g["eagle3_stage_progress_ratio"].add_metric([stage], s["progress_pct"] / 100.0)
-            if s.get("eta_s") is not None:
-                g["eagle3_stage_eta_seconds"].add_metric([stage], s["eta_s"])
-            verdict = s.get("verdict")
-            if verdict:
+            s = st.stages[stage]
+            if s.progress_pct is not None:
+                g["eagle3_stage_progress_ratio"].add_metric([stage], s.progress_pct / 100.0)
+            if s.eta_s is not None:
+                g["eagle3_stage_eta_seconds"].add_metric([stage], s.eta_s)
+            if s.verdict:
                 for v in VERDICTS:
-                    g["eagle3_stage_verdict"].add_metric([stage, v], 1.0 if v == verdict else 0.0)
-            if s.get("last_progress_at"):
-                g["eagle3_stage_last_progress_timestamp_seconds"].add_metric([stage], s["last_progress_at"])
-            g["eagle3_stage_up"].add_metric([stage], 1.0 if s["state"] == "running" else 0.0)
-        step = st.get("autostart") or "off"
+                    g["eagle3_stage_verdict"].add_metric([stage, v], 1.0 if v == s.verdict else 0.0)
+            if s.last_progress_at:
+                g["eagle3_stage_last_progress_timestamp_seconds"].add_metric([stage], s.last_progress_at)
+            g["eagle3_stage_up"].add_metric([stage], 1.0 if s.running else 0.0)
+        step = st.autostart or "off"
         for name in HANDOFF_STEPS if step in HANDOFF_STEPS else (*HANDOFF_STEPS, step):
             g["eagle3_handoff_step"].add_metric([name], 1.0 if name == step else 0.0)
         yield from g.values()
         pending = GaugeMetricFamily("eagle3_slack_outbox_pending", "Slack messages waiting to be delivered.")
-        pending.add_metric([], float((st.get("outbox") or {}).get("pending") or 0))
+        pending.add_metric([], float(st.outbox.get("pending") or 0))
         yield pending
-        prog = st["stages"]["train"].get("progress") or {}
+        prog = st.stages["train"].progress or {}
         for key in ("loss", "kl"):
             if isinstance(prog.get(key), (int, float)):
                 m = GaugeMetricFamily(f"eagle3_train_{key}", f"The trainer's last logged {key}.")

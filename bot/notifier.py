@@ -24,6 +24,7 @@ from handlers.render.alerts import (
 )
 from handlers.render.blocks import status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
+from pipeline.status import RunStatus
 from pipeline.store import Store
 
 log = logging.getLogger("eagle3.notifier")
@@ -107,7 +108,7 @@ class Notifier:
     def escalate(self, store: Store) -> None:
         """One reminder when a stage is still stalled `escalate_s` after its alert."""
         for stage in STAGE_NAMES:
-            v = store.get(f"verdict:{stage}") or {}
+            v = store.verdict(stage) or {}
             alerted = store.get(self.k + f"alerted:{stage}:stalled")
             key = self.k + f"escalated:{stage}:{alerted}"
             if v.get("verdict") != "stalled" or alerted is None or store.get(key):
@@ -120,7 +121,7 @@ class Notifier:
 
     def milestones(self, store: Store) -> None:
         """25/50/75/100 % of extraction, once each per run, as replies in the run's thread."""
-        v = store.get("verdict:extract") or {}
+        v = store.verdict("extract") or {}
         run, pct = v.get("run"), v.get("progress_pct")
         if not run or pct is None:
             return
@@ -138,13 +139,13 @@ class Notifier:
         run = store.current_run()
         return bool(self.channel and run and not store.has_message(channel=self.channel, update_key=f"status:{run}"))
 
-    def post_status(self, store: Store, status: dict, version: str) -> None:
+    def post_status(self, store: Store, status: RunStatus, version: str) -> None:
         """Enqueue the run's status message; delivery updates it in place after the first post."""
         if not self.channel:
             return
         text, blocks = status_blocks(status, version=version)
         store.enqueue(channel=self.channel, kind="status", text=text, blocks=blocks,
-                      update_key=f"status:{status['run']}")
+                      update_key=f"status:{status.run}")
 
     def deliver(self, store: Store) -> None:
         blocked: set[str] = set()

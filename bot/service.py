@@ -130,7 +130,7 @@ class Delivery:
             ctl = Controller(workspace=self.ws)
             try:
                 status = ctl.status(sample_if_unmonitored=False)
-                if status["run"]:
+                if status.run:
                     self.notifier.post_status(ctl.store, status, ctl.state_version())
             finally:
                 ctl.close()

@@ -136,7 +136,7 @@ def _act(ctl, action_id: str, action: dict, user: str) -> str:
         until = ctl.snooze(action.get("value") or "extract", by=f"slack:{user}")
         return f"alerts about {action.get('value')} snoozed until {slack_time(until)}"
     if action_id == ACTION_LATER:
-        r = ctl.remind("eta" if (ctl.store.get("verdict:extract") or {}).get("eta_s") else "1h", by=f"slack:{user}")
+        r = ctl.remind("eta" if (ctl.store.verdict("extract") or {}).get("eta_s") else "1h", by=f"slack:{user}")
         return f"reminder at {slack_time(r['due_at'])}"
     on = action_id == ACTION_AUTOSTART
     return autostart_text(on, ctl.autostart(on, by=f"slack:{user}"), cmd=SLASH)

@@ -107,17 +107,17 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
     if verb == "status":
         return status_blocks(status, version=ctl.state_version())
     if verb in ("stuck", "eta"):
-        started = {n: st for n, st in status["stages"].items() if st["state"] != "not-started"}
+        started = status.started()
         lines = ([eta_line(n, st, slack=True) for n, st in started.items()] if verb == "eta" else
-                 [f"*{n}*: {st['state']}\n{verdict_line(n, st).strip()}" for n, st in started.items()])
+                 [f"*{n}*: {st.state}\n{verdict_line(n, st).strip()}" for n, st in started.items()])
         text = "\n".join(lines) or "Nothing has been started."
         return text, text_blocks(text)
     if verb == "gpus":
-        gpus = next((st.get("gpus") for st in status["stages"].values() if st.get("gpus")), None)
+        gpus = status.first_gpus()
         text = gpus_text(gpus)
         return text, text_blocks(f"```\n{text}\n```" if gpus else text)
     if verb == "chart":
-        running = [n for n, st in status["stages"].items() if st["state"] == "running" and n != "server"]
+        running = [n for n, st in status.stages.items() if st.running and n != "server"]
         stage = args[0] if args else (running[-1] if running else "extract")
         if stage not in STAGE_NAMES:
             return _name_a_stage(verb)

@@ -66,7 +66,7 @@ class Automation:
         due = [r for r in pending if r["due_at"] <= now]
         if not due:
             return
-        status = {s: self.store.get(f"verdict:{s}") for s in STAGE_NAMES}
+        status = {s: self.store.verdict(s) for s in STAGE_NAMES}
         with self.store.atomic():
             self.store.put("reminders", [r for r in pending if r["due_at"] > now])
             for r in due:

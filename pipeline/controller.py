@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.config import STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
+from pipeline.observe.verdict import Verdict
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.stages.supervisor import StopResult, Supervisor
+from pipeline.status import READING_KEYS, VERDICT_KEYS, RunStatus, StageStatus
 from pipeline.store import Store
 
 
@@ -121,7 +124,7 @@ class Controller:
         """Store a reminder due after '30m', '1h', '90s' or at the extraction 'eta'."""
         now = self.store.clock()
         if spec == "eta":
-            eta = (self.store.get("verdict:extract") or {}).get("eta_s")
+            eta = (self.store.verdict("extract") or {}).get("eta_s")
             if eta is None:
                 raise UserError("remind eta: extraction has no ETA yet; give a delay such as 30m or 1h")
             delay = float(eta)
@@ -177,7 +180,7 @@ class Controller:
         beat = self.store.get("monitor") or {}
         return self.store.clock() - beat.get("t", 0) <= 2 * self.ws.config.monitor.tick_s + 1
 
-    def status(self, *, sample_if_unmonitored: bool = True) -> dict:
+    def status(self, *, sample_if_unmonitored: bool = True) -> RunStatus:
         """The status object of `eagle3 status --json`, from the store.
 
         With no monitor running, stages that are running are sampled once here (within
@@ -199,11 +202,12 @@ class Controller:
                 sampler.close()
         now = self.store.clock()
         handoff = handoff_state(self.store)
-        return {"run": self.store.current_run(), "monitor": "running" if monitored else "not running",
-                "autostart": "off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
-                "autostart_reason": (handoff or {}).get("reason"), "outbox": self.store.outbox_summary(),
-                "transport": self._transport(monitored), "slack_auth": self.store.get("slack_auth") if monitored else None,
-                "stages": {stage: self._stage_status(stage, now) for stage in STAGE_NAMES}}
+        return RunStatus(
+            run=self.store.current_run(), monitor="running" if monitored else "not running",
+            autostart="off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
+            autostart_reason=(handoff or {}).get("reason"), outbox=self.store.outbox_summary(),
+            transport=self._transport(monitored), slack_auth=self.store.get("slack_auth") if monitored else None,
+            stages={stage: self._stage_status(stage, now) for stage in STAGE_NAMES})
 
     def _transport(self, monitored: bool) -> dict | None:
         """How `serve` receives Slack's commands and buttons (Socket Mode, HTTP), while it runs."""
@@ -212,40 +216,34 @@ class Controller:
 
     def _unobserved_end(self, stage: str) -> bool:
         proc = self.store.latest_proc(stage)
-        verdict = self.store.get(f"verdict:{stage}") or {}
+        verdict = self.store.verdict(stage) or {}
         return bool(proc) and proc["state"] != StageState.RUNNING and (
             verdict.get("proc_id") != proc["id"] or not verdict.get("final"))
 
-    def _stage_status(self, stage: str, now: float) -> dict:
+    def _stage_status(self, stage: str, now: float) -> StageStatus:
         proc = self.store.latest_proc(stage)
         if not proc:
-            return {"state": str(StageState.NOT_STARTED), "pid": None, "exit_code": None, "signal": None,
-                    "started_at": None, "ended_at": None, "uptime_s": None,
-                    "log": str(self.ws.log_path(stage)), "reason": None, "run": None}
+            return StageStatus(state=StageState.NOT_STARTED, log=str(self.ws.log_path(stage)))
         running = proc["state"] == StageState.RUNNING
-        return {
-            "state": proc["state"], "pid": proc["pid"], "exit_code": proc["exit_code"], "signal": proc["signal"],
-            "started_at": proc["started_at"], "ended_at": proc["ended_at"],
-            "uptime_s": round(now - proc["started_at"], 1) if running and proc["started_at"] else None,
-            "log": proc["log"], "reason": proc["reason"], "run": proc["run_id"],
-            "stop_requested": bool(proc["stop_requested"]), **self._verdict_fields(stage, proc),
-        }
+        st = StageStatus(
+            state=StageState(proc["state"]), pid=proc["pid"], exit_code=proc["exit_code"], signal=proc["signal"],
+            started_at=proc["started_at"], ended_at=proc["ended_at"],
+            uptime_s=round(now - proc["started_at"], 1) if running and proc["started_at"] else None,
+            log=proc["log"], reason=proc["reason"], run=proc["run_id"], stop_requested=bool(proc["stop_requested"]))
+        return self._with_verdict(stage, proc, st)
 
-    def _verdict_fields(self, stage: str, proc: dict) -> dict:
-        v = self.store.get(f"verdict:{stage}")
+    def _with_verdict(self, stage: str, proc: dict, st: StageStatus) -> StageStatus:
+        v = self.store.verdict(stage)
         if not v or v.get("proc_id") != proc["id"]:
-            return {"verdict": "unknown", "progress_pct": None, "eta_s": None, "reasons": ["not observed yet"]}
-        if proc["state"] == StageState.STOPPED and v.get("verdict") != "stopped":
+            return replace(st, verdict=Verdict.UNKNOWN, reasons=("not observed yet",))
+        if proc["state"] == StageState.STOPPED and v.get("verdict") != Verdict.STOPPED:
             # The verdict was made while it ran; until the next tick observes the end, say what is known.
-            v = {**v, "verdict": "stopped", "stuck": False, "eta_s": None, "eta_low_s": None, "eta_high_s": None,
+            v = {**v, "verdict": Verdict.STOPPED, "stuck": False, "eta_s": None, "eta_low_s": None, "eta_high_s": None,
                  "reasons": [f"stopped on request ({proc['reason']})" if proc["stop_requested"] else proc["reason"]]}
-        keys = ("verdict", "stuck", "progress_pct", "eta_s", "eta_low_s", "eta_high_s", "reasons", "done", "failed",
-                "total", "rate_samples_per_s", "rate_tokens_per_s", "last_progress_at", "eta_note")
-        fields = {k: v.get(k) for k in keys}
-        fields["observed_at"] = v.get("t")
         obs = self.store.latest_observation(stage) or {}
-        fields.update({k: obs.get(k) for k in ("gpus", "server", "disk", "progress")})
-        return fields
+        fields = {k: v.get(k) for k in VERDICT_KEYS if k not in ("verdict", "reasons")}
+        return replace(st, observed=True, verdict=Verdict.of(v.get("verdict")), reasons=tuple(v.get("reasons") or ()),
+                       observed_at=v.get("t"), **fields, **{k: obs.get(k) for k in READING_KEYS})
 
     def state_version(self) -> str:
         """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""

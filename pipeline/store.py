@@ -146,6 +146,16 @@ class Store:
         """Store a JSON value in the kv table."""
         self.db["kv"].upsert({"key": key, "value": json.dumps(value)}, pk="key")
 
+    # --- verdicts -----------------------------------------------------------
+    def verdict(self, stage: str) -> dict | None:
+        """The stage's latest stored verdict record (the sampler's: the replay fields plus proc_id,
+        run, final, done/failed/total, rates, last_progress_at, deadline_s, eta_note), or None."""
+        return self.get(f"verdict:{stage}")
+
+    def put_verdict(self, stage: str, record: dict) -> None:
+        """Store the stage's latest verdict record."""
+        self.put(f"verdict:{stage}", record)
+
     # --- runs ---------------------------------------------------------------
     def open_run(self) -> str:
         """The open run's id, opening a new run when none is open."""

@@ -15,6 +15,7 @@ from slack_sdk.models.blocks import (
 
 from handlers.render.views import ago, plain_times, slack_time
 from pipeline.handoff.machine import CANCELLABLE, TRAINING
+from pipeline.status import RunStatus, StageStatus
 
 SECTION_LIMIT = 3000
 ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER = "eagle3_autostart_on", "eagle3_autostart_off", "eagle3_later"
@@ -26,9 +27,9 @@ def bar(pct: float, width: int = 20) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-def answer(stage: str, st: dict) -> str:
+def answer(stage: str, st: StageStatus) -> str:
     """The one-sentence answer to "is it stuck?"."""
-    v, pct, eta = st.get("verdict"), st.get("progress_pct"), st.get("eta_s")
+    v, pct, eta = st.verdict, st.progress_pct, st.eta_s
     where = f" — {pct:.1f} % done" if pct is not None else ""
     left = f", about {ago(eta)} to go" if eta else ""
     return {
@@ -42,13 +43,13 @@ def answer(stage: str, st: dict) -> str:
     }.get(v, f"Unknown: the readings needed for {stage} are unavailable.")
 
 
-def _focus(status: dict) -> tuple[str, dict]:
-    stages = status["stages"]
+def _focus(status: RunStatus) -> tuple[str, StageStatus]:
+    stages = status.stages
     for name in ("train", "extract", "server"):
-        if stages[name]["state"] == "running":
+        if stages[name].running:
             return name, stages[name]
     for name in ("train", "extract", "server"):
-        if stages[name]["state"] != "not-started":
+        if stages[name].started:
             return name, stages[name]
     return "extract", stages["extract"]
 
@@ -57,15 +58,14 @@ def _clip(text: str) -> str:
     return text if len(text) <= SECTION_LIMIT else text[: SECTION_LIMIT - 1] + "…"
 
 
-def _details(name: str, st: dict, now: float) -> list[str]:
+def _details(name: str, st: StageStatus, now: float) -> list[str]:
     lines = []
-    if st.get("progress_pct") is not None and st.get("total"):
-        processed = (st.get("done") or 0) + (st.get("failed") or 0)
-        failed = st.get("failed") or 0
-        lines.append(f"`{bar(st['progress_pct'])}` {st['progress_pct']:.1f} % ({processed:,} / {st['total']:,}), "
-                     f"failed {failed:,} ({100 * failed / st['total']:.2g} %)")
+    if st.progress_pct is not None and st.total:
+        failed = st.failed or 0
+        lines.append(f"`{bar(st.progress_pct)}` {st.progress_pct:.1f} % ({st.processed or 0:,} / {st.total:,}), "
+                     f"failed {failed:,} ({100 * failed / st.total:.2g} %)")
     rates = []
-    prog = st.get("progress") if isinstance(st.get("progress"), dict) else {}
+    prog = st.progress if isinstance(st.progress, dict) else {}
     if name == "train":  # the trainer's own numbers: the loss, how far from the target, its speed
         for key in ("loss", "kl"):
             if isinstance(prog.get(key), (int, float)):
@@ -73,29 +73,29 @@ def _details(name: str, st: dict, now: float) -> list[str]:
     if name == "train" and isinstance(prog.get("acc_by_depth"), list) and prog["acc_by_depth"]:
         acc = "/".join("-" if a is None else f"{a:.2f}" for a in prog["acc_by_depth"])
         rates.append(f"top-1 by depth {acc} (validation at step {prog.get('validated_at_step')})")
-    if st.get("rate_samples_per_s"):
-        rates.append(f"{st['rate_samples_per_s']:.2f} {'steps' if name == 'train' else 'samples'}/s")
-    if st.get("rate_tokens_per_s"):
-        rates.append(f"{st['rate_tokens_per_s']:,.0f} tokens/s")
-    if st.get("eta_s") is not None:
-        rates.append(f"ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))}), "
-                     f"about {slack_time(now + st['eta_s'])}")
-    if st.get("last_progress_at"):
-        rates.append(f"last progress {ago(now - st['last_progress_at'])} ago")
+    if st.rate_samples_per_s:
+        rates.append(f"{st.rate_samples_per_s:.2f} {'steps' if name == 'train' else 'samples'}/s")
+    if st.rate_tokens_per_s:
+        rates.append(f"{st.rate_tokens_per_s:,.0f} tokens/s")
+    if st.eta_s is not None:
+        rates.append(f"ETA {ago(st.eta_s)} ({ago(st.eta_low_s)}–{ago(st.eta_high_s)}), "
+                     f"about {slack_time(now + st.eta_s)}")
+    if st.last_progress_at:
+        rates.append(f"last progress {ago(now - st.last_progress_at)} ago")
     if rates:
         lines.append(" · ".join(rates))
-    gpus = st.get("gpus") or []
+    gpus = st.gpus or []
     if gpus:
         lines.append("GPUs: " + ", ".join(
             f"{g['index']}: {g['util']:.0f} %, {g['mem_used_mb'] / 1024:.0f} GB"
             + (f" ({', '.join(g['holders'])})" if g.get("holders") else "")
             for g in gpus if g.get("util") is not None and g.get("mem_used_mb") is not None)
             + " — idle GPUs alone are not a stall")
-    disk = st.get("disk") or {}
+    disk = st.disk or {}
     if disk.get("free_bytes") is not None:
         fit = {True: "the run fits", False: "*the run will not fit*", None: "need unknown"}[disk.get("fits")]
         lines.append(f"disk: {disk['free_bytes'] / 1e12:.2f} TB free, {fit}")
-    server = st.get("server") or {}
+    server = st.server or {}
     if server.get("healthy") is not None:
         lines.append(f"server activity (not progress): {'healthy' if server['healthy'] else 'health check failing'}"
                      + (f", {server['running_reqs']:.0f} running" if server.get("running_reqs") is not None else "")
@@ -103,20 +103,21 @@ def _details(name: str, st: dict, now: float) -> list[str]:
     return lines
 
 
-def status_blocks(status: dict, *, version: str, now: float | None = None, note: str | None = None) -> tuple[str, list]:
+def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
+                  note: str | None = None) -> tuple[str, list]:
     """(fallback text, blocks) for `/eagle3 status`; `note`: a context line above the buttons
     (who chose what, after a click on the status post)."""
     now = now or time.time()
     name, st = _focus(status)
-    headline = f"*Run {status['run'] or '(none open)'}* — {name}: *{st.get('verdict') or st['state']}*"
-    sentence = answer(name, st) if st["state"] != "not-started" else "Nothing is running yet."
+    headline = f"*Run {status.run or '(none open)'}* — {name}: *{st.verdict or st.state}*"
+    sentence = answer(name, st) if st.started else "Nothing is running yet."
     blocks = [SectionBlock(text=MarkdownTextObject(text=_clip(f"{headline}\n{sentence}")))]
     details = _details(name, st, now)
     if details:
         blocks.append(SectionBlock(text=MarkdownTextObject(text=_clip("\n".join(details)))))
-    auto = status.get("autostart", "off")
+    auto = status.autostart
     blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(
-        f"auto-start: {auto}" + (f" — {status.get('autostart_reason')}" if auto != "off" else "")))]))
+        f"auto-start: {auto}" + (f" — {status.autostart_reason}" if auto != "off" else "")))]))
     if note:
         blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(note))]))
     value = json.dumps({"v": version})
@@ -129,7 +130,7 @@ def status_blocks(status: dict, *, version: str, now: float | None = None, note:
                                  value=value, style="primary")]
     buttons.append(ButtonElement(text="Check back later", action_id=ACTION_LATER, value=value))
     blocks.append(ActionsBlock(elements=buttons))
-    return f"{name}: {st.get('verdict') or st['state']} — {sentence}", [b.to_dict() for b in blocks]
+    return f"{name}: {st.verdict or st.state} — {sentence}", [b.to_dict() for b in blocks]
 
 
 def text_blocks(text: str) -> list:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from pipeline.observe.verdict import fmt_bytes
+from pipeline.observe.verdict import Verdict, fmt_bytes
+from pipeline.status import RunStatus, StageStatus
 
 
 def ago(seconds: float | None) -> str:
@@ -55,46 +56,44 @@ def gpus_text(gpus: list[dict] | None, *, why: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def stage_line(name: str, st: dict) -> str:
+def stage_line(name: str, st: StageStatus) -> str:
     """One stage of `eagle3 status` as a line."""
-    state = st["state"]
-    parts = [f"{name:<8} {state:<11}"]
-    if st.get("pid"):
-        parts.append(f"pid {st['pid']}")
-    if state == "running":
-        parts.append(f"up {ago(st.get('uptime_s'))}")
-    elif st.get("ended_at"):
-        how = f"exit {st['exit_code']}" if st.get("exit_code") is not None else (
-            f"signal {st['signal']}" if st.get("signal") else "exit status unknown")
-        parts.append(f"{how} at {clock_time(st['ended_at'])}")
-    if st.get("reason") and not st["reason"].startswith(("exit code", "killed by signal")):
-        parts.append(f"({st['reason']})")
+    parts = [f"{name:<8} {st.state:<11}"]
+    if st.pid:
+        parts.append(f"pid {st.pid}")
+    if st.running:
+        parts.append(f"up {ago(st.uptime_s)}")
+    elif st.ended_at:
+        how = f"exit {st.exit_code}" if st.exit_code is not None else (
+            f"signal {st.signal}" if st.signal else "exit status unknown")
+        parts.append(f"{how} at {clock_time(st.ended_at)}")
+    if st.reason and not st.reason.startswith(("exit code", "killed by signal")):
+        parts.append(f"({st.reason})")
     return "  ".join(parts)
 
 
-def status_text(status: dict) -> str:
+def status_text(status: RunStatus) -> str:
     """The whole `eagle3 status` text."""
-    lines = [f"run: {status['run'] or 'none open'}"]
-    if status.get("autostart", "off") != "off":
-        lines.append(f"auto-start: {status['autostart']} — {status.get('autostart_reason')}")
-    if status.get("monitor") == "not running":
+    lines = [f"run: {status.run or 'none open'}"]
+    if status.autostart != "off":
+        lines.append(f"auto-start: {status.autostart} — {status.autostart_reason}")
+    if status.monitor == "not running":
         lines.append("monitor: not running (start `eagle3 serve`); running stages were sampled just now")
-    transport = status.get("transport")
-    if transport:
-        lines.append(transport_line(transport))
-    auth = status.get("slack_auth") or {}
+    if status.transport:
+        lines.append(transport_line(status.transport))
+    auth = status.slack_auth or {}
     if auth.get("ok") is False:
         lines.append(f"slack: the bot token was refused ({auth.get('error')}); {slack_hint(auth.get('error') or '')}")
-    box = status.get("outbox") or {}
+    box = status.outbox
     if box.get("pending") or box.get("failed"):
         error = box.get("last_error")
         lines.append(f"slack: {box['pending']} message(s) waiting to be delivered, {box['failed']} refused by Slack"
                      + (f" (last error: {error}; {slack_hint(error)})" if error else ""))
-    for name, st in status["stages"].items():
+    for name, st in status.stages.items():
         lines.append(stage_line(name, st))
-        if st["state"] != "not-started" and st.get("verdict"):
+        if st.started and st.verdict:
             lines.append(verdict_line(name, st))
-        lines.append(f"{'':<8} log: {st['log']}")
+        lines.append(f"{'':<8} log: {st.log}")
     return "\n".join(lines)
 
 
@@ -148,44 +147,49 @@ def stop_text(result) -> str:
     return f"{result.stage}: {how}"
 
 
-def verdict_line(stage: str, st: dict) -> str:
+def _progress_text(st: StageStatus) -> str:
+    """'49.4 % (18,424 / 37,312)'."""
+    count = f" ({st.processed:,} / {st.total:,})" if st.processed is not None and st.total else ""
+    return f"{st.progress_pct:.1f} %{count}"
+
+
+def _band_text(st: StageStatus) -> str:
+    """'ETA 4h 48m (4h 10m–5h 30m)'."""
+    return f"ETA {ago(st.eta_s)} ({ago(st.eta_low_s)}–{ago(st.eta_high_s)})"
+
+
+def verdict_line(stage: str, st: StageStatus) -> str:
     """The diagnosis part of a stage in `eagle3 status`."""
-    verdict = st.get("verdict")
+    verdict = st.verdict
     if not verdict:
         return ""
     parts = [f"{'':<8} verdict: {verdict}"]
-    if st.get("progress_pct") is not None:
-        done = st.get("done")
-        total = st.get("total")
-        count = f" ({done + (st.get('failed') or 0):,} / {total:,})" if done is not None and total else ""
-        parts.append(f"{st['progress_pct']:.1f} %{count}")
-    if st.get("eta_s") is not None:
-        parts.append(f"ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))})")
-    elif verdict in ("progressing", "slow", "starting"):
-        parts.append(f"no ETA yet ({st['eta_note']})" if st.get("eta_note") else "ETA not yet meaningful")
-    prog = st.get("progress") if isinstance(st.get("progress"), dict) else {}
-    if verdict in ("progressing", "slow", "starting", "stalled") and prog.get("max_inflight_bytes"):
+    if st.progress_pct is not None:
+        parts.append(_progress_text(st))
+    if st.eta_s is not None:
+        parts.append(_band_text(st))
+    elif verdict.working:
+        parts.append(f"no ETA yet ({st.eta_note})" if st.eta_note else "ETA not yet meaningful")
+    prog = st.progress if isinstance(st.progress, dict) else {}
+    if (verdict.working or verdict == Verdict.STALLED) and prog.get("max_inflight_bytes"):
         parts.append(f"answers in memory {fmt_bytes(prog.get('inflight_bytes') or 0)} of "
                      f"{fmt_bytes(prog['max_inflight_bytes'])}")
     line = ", ".join(parts)
-    reasons = st.get("reasons") or []
-    return line + ("\n" + "\n".join(f"{'':<10} - {r}" for r in reasons) if reasons else "")
+    return line + ("\n" + "\n".join(f"{'':<10} - {r}" for r in st.reasons) if st.reasons else "")
 
 
-def eta_line(stage: str, st: dict, *, now: float | None = None, slack: bool = False) -> str:
+def eta_line(stage: str, st: StageStatus, *, now: float | None = None, slack: bool = False) -> str:
     """`/eagle3 eta`: progress, the ETA with its band and the wall-clock finish, or why there is none."""
-    head = f"*{stage}*: {st.get('verdict') or st['state']}"
-    if st.get("progress_pct") is not None:
-        done, total = st.get("done"), st.get("total")
-        count = f" ({done + (st.get('failed') or 0):,} / {total:,})" if done is not None and total else ""
-        head += f", {st['progress_pct']:.1f} %{count}"
-    if st.get("eta_s") is not None:
-        finish = (now or time.time()) + st["eta_s"]
-        return (f"{head}, ETA {ago(st['eta_s'])} ({ago(st.get('eta_low_s'))}–{ago(st.get('eta_high_s'))}), "
+    head = f"*{stage}*: {st.verdict or st.state}"
+    if st.progress_pct is not None:
+        head += f", {_progress_text(st)}"
+    if st.eta_s is not None:
+        finish = (now or time.time()) + st.eta_s
+        return (f"{head}, {_band_text(st)}, "
                 f"finishing around {slack_time(finish, '{date_short_pretty} {time}') if slack else clock_time(finish)}")
-    if st.get("verdict") in ("done", "stopped", "dead"):
+    if st.verdict in (Verdict.DONE, Verdict.STOPPED, Verdict.DEAD):
         return head
-    why = st.get("eta_note") or "; ".join(st.get("reasons") or []) or "not enough progress observed yet"
+    why = st.eta_note or "; ".join(st.reasons) or "not enough progress observed yet"
     return f"{head}, no ETA yet ({why})"
 
 

@@ -42,7 +42,7 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     out = ws.resolve(ws.stage("extract").out)
     reading = read_manifest(out, clock=store.clock)
     prog = reading.value or {}
-    verdict = store.get("verdict:extract") or {}
+    verdict = store.verdict("extract") or {}
     c = Completion(complete=False, done=prog.get("done"), failed=prog.get("failed"), total=prog.get("total"),
                    eta_s=verdict.get("eta_s"))
     proc = store.latest_proc("extract")

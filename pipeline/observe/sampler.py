@@ -172,13 +172,13 @@ class Sampler:
         verdict = self._diagnoser(stage, row).feed(obs)
         with self.store.atomic():
             self.store.add_observation(obs, run_id=row["run_id"])
-            previous = self.store.get(f"verdict:{stage}")
+            previous = self.store.verdict(stage)
             record = {**verdict.replay_json(), "proc_id": row["id"], "run": row["run_id"], "final": final,
                       "done": verdict.done, "failed": verdict.failed, "total": verdict.total,
                       "rate_samples_per_s": verdict.rate_samples_per_s, "rate_tokens_per_s": verdict.rate_tokens_per_s,
                       "last_progress_at": verdict.last_progress_at, "deadline_s": verdict.deadline_s,
                       "eta_note": verdict.eta_note}
-            self.store.put(f"verdict:{stage}", record)
+            self.store.put_verdict(stage, record)
             self._condition_events(stage, row, obs)
             if not previous or previous.get("verdict") != verdict.verdict or previous.get("proc_id") != row["id"]:
                 self.store.add_event(kind="verdict", run_id=row["run_id"], stage=stage, data={

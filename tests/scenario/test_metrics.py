@@ -30,8 +30,8 @@ def test_a_scrape_has_the_values_the_store_says(tmp_path):
     ctl = Controller(workspace=ws)
     server = serve_metrics(ws, host="127.0.0.1", port=0)
     try:
-        wait_for(lambda: ctl.status()["stages"]["train"].get("progress"), what="a training reading")
-        st = ctl.status(sample_if_unmonitored=False)
+        wait_for(lambda: ctl.status().stages["train"].progress, what="a training reading")
+        st = ctl.status(sample_if_unmonitored=False).to_json()
         m = scrape(f"http://127.0.0.1:{server.server_address[1]}/metrics")
         ex, tr = st["stages"]["extract"], st["stages"]["train"]
         assert m[("eagle3_stage_progress_ratio", (("stage", "extract"),))] == pytest.approx(ex["progress_pct"] / 100)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench.fake_slack import FakeSlack
 from bot.app import slack_client
 from bot.notifier import Notifier
 from pipeline.config import Workspace, parse_config
+from pipeline.status import RunStatus
 from pipeline.store import Store
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,11 +79,15 @@ def test_pending_messages_survive_a_restart(env):
     assert [c["text"] for c in fake.of("chat.postMessage")] == ["before the crash"]
 
 
+def not_started(run: str) -> RunStatus:
+    """A run whose stages have not started yet."""
+    return RunStatus.from_json({"run": run, "stages": {s: {"state": "not-started"} for s in ("server", "extract", "train")}})
+
+
 def test_status_post_is_updated_in_place_and_steps_go_in_its_thread(env):
     n, store, fake = env["notifier"](), env["store"], env["fake"]
     n.tick(store)
-    status = {"run": "r1", "autostart": "off", "stages": {s: {"state": "not-started"} for s in
-                                                          ("server", "extract", "train")}}
+    status = not_started("r1")
     n.post_status(store, status, "r1:off")
     n.tick(store)
     store.add_event(kind="handoff", run_id="r1", data={"step": "stopping-server", "reason": "verified complete"})
@@ -258,7 +265,7 @@ def test_status_says_how_many_messages_wait_and_why(env):
     n.tick(store)
     n.tick(store)
     assert store.outbox_summary() == {"pending": 1, "failed": 1, "last_error": "HTTP 500"}
-    text = status_text({"run": None, "outbox": store.outbox_summary(), "stages": {}})
+    text = status_text(RunStatus(run=None, outbox=store.outbox_summary(), stages={}))
     assert "slack: 1 message(s) waiting to be delivered, 1 refused by Slack (last error: HTTP 500; " in text
 
 
@@ -303,7 +310,7 @@ def test_serve_checks_its_token_once_at_start(env, answer, caplog):
     assert "Slack refused the bot token (invalid_auth)" in caplog.text and "xoxb-test" not in caplog.text
     status = Controller(workspace=env["ws"], store=env["store"]).status(sample_if_unmonitored=False)
     assert "slack: the bot token was refused (invalid_auth); SLACK_BOT_TOKEN is not valid" in status_text(
-        {**status, "slack_auth": stored})
+        replace(status, slack_auth=stored))
 
 
 def _observed(store, clock, samples=300):
@@ -324,8 +331,7 @@ def test_milestone_charts_upload_in_order_and_survive_an_outage(env):
     n, store, fake, clock = env["notifier"](), env["store"], env["fake"], env["clock"]
     run = _observed(store, clock)
     n.tick(store)
-    n.post_status(store, {"run": run, "autostart": "off", "stages": {s: {"state": "not-started"} for s in
-                                                                      ("server", "extract", "train")}}, "v")
+    n.post_status(store, not_started(run), "v")
     n.tick(store)
     fake.fail["files.getUploadURLExternal"] = 2  # Slack down for the first attempts
     fake.fail["upload"] = 1  # then the upload URL answers 500 once

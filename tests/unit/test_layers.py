@@ -128,3 +128,12 @@ def test_rooms_keep_their_doors(room):
 @pytest.mark.parametrize("path", ROOM_FILES)
 def test_the_core_never_runs_on_the_stand_ins(path):
     assert not any(m.startswith("pipeline.toy") for m in imported_modules(ROOT / path)), path
+
+
+@pytest.mark.parametrize("package", ["bot", "handlers", "pipeline"])
+def test_only_the_store_names_its_tables_and_keys(package):
+    """Callers ask the store (`store.verdict(stage)`, `store.mark_sent(…)`), never `store.db[…]` or a raw key."""
+    offenders = sorted(str(p.relative_to(ROOT)) for p in (ROOT / package).rglob("*.py")
+                       if p != ROOT / "pipeline" / "store.py"
+                       and any(s in p.read_text() for s in (".db[", ".db.execute", '"verdict:', "f\"verdict:")))
+    assert offenders == []

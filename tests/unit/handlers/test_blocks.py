@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from handlers.render.blocks import _details
+from pipeline.status import StageStatus
 
 
 def test_training_details_show_loss_kl_and_steps_per_second():
-    st = {"state": "running", "progress_pct": 40.0, "done": 120, "failed": 0, "total": 300,
-          "rate_samples_per_s": 2.5, "rate_tokens_per_s": 9000.0,
-          "progress": {"done": 120, "total": 300, "unit": "steps", "loss": 2.5123, "kl": 0.0421,
-                       "acc_by_depth": [0.891, 0.88, None], "validated_at_step": 100}}
+    st = StageStatus.from_json({
+        "state": "running", "progress_pct": 40.0, "done": 120, "failed": 0, "total": 300,
+        "rate_samples_per_s": 2.5, "rate_tokens_per_s": 9000.0,
+        "progress": {"done": 120, "total": 300, "unit": "steps", "loss": 2.5123, "kl": 0.0421,
+                     "acc_by_depth": [0.891, 0.88, None], "validated_at_step": 100}})
     text = "\n".join(_details("train", st, now=1_790_000_000.0))
     assert ("loss 2.512 · kl 0.042 · top-1 by depth 0.89/0.88/- (validation at step 100) · 2.50 steps/s · "
             "9,000 tokens/s") in text
     assert "samples/s" not in text
-    ex = "\n".join(_details("extract", {**st, "progress": {"unit": "samples"}}, now=1_790_000_000.0))
+    ex = "\n".join(_details("extract", replace(st, progress={"unit": "samples"}), now=1_790_000_000.0))
     assert "2.50 samples/s" in ex and "loss" not in ex
 
 

@@ -32,7 +32,7 @@ def test_a_new_run_starts_with_auto_start_off(ctl):
     store.close_run(first, reason="all stages stopped")
     assert handoff_state(store)["step"] == "armed", "with no run open, the last run's handoff still shows"
     store.open_run()
-    assert handoff_state(store) is None and ctl.status(sample_if_unmonitored=False)["autostart"] == "off"
+    assert handoff_state(store) is None and ctl.status(sample_if_unmonitored=False).autostart == "off"
     again = ctl.autostart(True)
     assert again["changed"] and again["state"]["run"] == store.current_run()
 
@@ -74,6 +74,6 @@ def test_a_stopped_stage_does_not_show_its_last_running_verdict(ctl):
                                  "reason": "exit code 0"})
     store.put("verdict:extract", {"proc_id": proc_id, "verdict": "progressing", "eta_s": 100.0, "reasons": ["x"],
                                   "t": 5})
-    st = ctl.status(sample_if_unmonitored=False)["stages"]["extract"]
+    st = ctl.status(sample_if_unmonitored=False).to_json()["stages"]["extract"]
     assert st["verdict"] == "stopped" and st["eta_s"] is None
     assert st["reasons"] == ["stopped on request (exit code 0)"]

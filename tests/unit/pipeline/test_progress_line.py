@@ -30,14 +30,18 @@ def test_no_eta_before_three_intervals():
 
 
 def test_eta_line_gives_the_band_and_the_finish_time():
-    from handlers.render.views import eta_line
+    from dataclasses import replace
 
-    st = {"state": "running", "verdict": "progressing", "progress_pct": 49.4, "done": 18421, "failed": 3,
-          "total": 37312, "eta_s": 17280.0, "eta_low_s": 15000.0, "eta_high_s": 19800.0}
+    from handlers.render.views import eta_line
+    from pipeline.status import StageStatus
+
+    st = StageStatus.from_json({"state": "running", "verdict": "progressing", "progress_pct": 49.4, "done": 18421,
+                                "failed": 3, "total": 37312, "eta_s": 17280.0, "eta_low_s": 15000.0,
+                                "eta_high_s": 19800.0})
     line = eta_line("extract", st, now=1_790_000_000.0)
     assert line.startswith("*extract*: progressing, 49.4 % (18,424 / 37,312), ETA 4h 48m (4h 10m–5h 30m)")
     assert "finishing around" in line
-    early = eta_line("extract", {**st, "eta_s": None, "reasons": ["last progress 3s ago"]})
+    early = eta_line("extract", replace(st, eta_s=None, reasons=("last progress 3s ago",)))
     assert early.endswith("no ETA yet (last progress 3s ago)")
 
 
@@ -47,8 +51,10 @@ def test_slack_times_render_in_the_readers_zone_and_plain_on_a_terminal():
 
     t = 1_790_000_000
     assert slack_time(t) == f"<!date^{t}^{{time}}|{time.strftime('%H:%M UTC', time.gmtime(t))}>"
-    st = {"state": "running", "verdict": "progressing", "progress_pct": 49.4, "done": 18424, "failed": 0,
-          "total": 37312, "eta_s": 3600.0, "eta_low_s": 3000.0, "eta_high_s": 4000.0}
+    from pipeline.status import StageStatus
+
+    st = StageStatus.from_json({"state": "running", "verdict": "progressing", "progress_pct": 49.4, "done": 18424,
+                                "failed": 0, "total": 37312, "eta_s": 3600.0, "eta_low_s": 3000.0, "eta_high_s": 4000.0})
     line = eta_line("extract", st, now=t - 3600.0, slack=True)
     assert f"finishing around <!date^{t}^{{date_short_pretty}} {{time}}|" in line
     shown = blocks_text([{"type": "section", "text": {"type": "mrkdwn", "text": line}}])

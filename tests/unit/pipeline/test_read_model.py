@@ -42,3 +42,44 @@ def test_verdict_events_page_recover_or_stay_quiet_by_the_predicates(frm, to, ki
     msg = event_message({"kind": "verdict", "stage": "extract", "data": {"from": frm, "to": to, "reasons": []}},
                         oncall=["U1"])
     assert (msg[0] if msg else None) == kind
+
+
+# The `status --json` contract, key for key, as each branch has always written it.
+NOT_STARTED = ["state", "pid", "exit_code", "signal", "started_at", "ended_at", "uptime_s", "log", "reason", "run"]
+UNOBSERVED = NOT_STARTED + ["stop_requested", "verdict", "progress_pct", "eta_s", "reasons"]
+OBSERVED = NOT_STARTED + ["stop_requested", "verdict", "stuck", "progress_pct", "eta_s", "eta_low_s", "eta_high_s",
+                          "reasons", "done", "failed", "total", "rate_samples_per_s", "rate_tokens_per_s",
+                          "last_progress_at", "eta_note", "observed_at", "gpus", "server", "disk", "progress"]
+RUN = ["run", "monitor", "autostart", "autostart_reason", "outbox", "transport", "slack_auth", "stages"]
+
+
+def test_the_status_json_keeps_each_branchs_keys_and_reads_back(tmp_path):
+    from pipeline.config import Workspace, parse_config
+    from pipeline.controller import Controller
+    from pipeline.status import RunStatus
+
+    text = "[stages.server]\nargv = [\"x\"]\n[stages.extract]\nargv = [\"y\"]\n"
+    ctl = Controller(workspace=Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml"))
+    try:
+        store = ctl.store
+        run = store.open_run()
+        for stage in ("server", "extract"):
+            store.insert_proc({"run_id": run, "stage": stage, "state": "exited", "pid": 7, "argv": "[]",
+                               "started_at": 1.0, "ended_at": 9.0, "exit_code": 0, "reason": "exit code 0"})
+        extract = store.latest_proc("extract")["id"]
+        store.put_verdict("extract", {"proc_id": extract, "verdict": "done", "stuck": False, "progress_pct": 100.0,
+                                      "reasons": ["exited 0"], "t": 9.5, "done": 10, "total": 10})
+        status = ctl.status(sample_if_unmonitored=False)
+        out = json.loads(json.dumps(status.to_json()))
+    finally:
+        ctl.close()
+    assert list(out) == RUN and out["run"] == run
+    assert list(out["stages"]["train"]) == NOT_STARTED and out["stages"]["train"]["state"] == "not-started"
+    assert list(out["stages"]["server"]) == UNOBSERVED
+    assert out["stages"]["server"]["verdict"] == "unknown" and out["stages"]["server"]["reasons"] == ["not observed yet"]
+    assert list(out["stages"]["extract"]) == OBSERVED
+    assert out["stages"]["extract"]["verdict"] == "done" and out["stages"]["extract"]["observed_at"] == 9.5
+    # typed on the way in: the views read attributes and predicates, never keys
+    ex = status.stages["extract"]
+    assert ex.verdict is Verdict.DONE and ex.started and not ex.running and ex.processed == 10
+    assert RunStatus.from_json(out).to_json() == out

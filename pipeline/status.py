@@ -1,0 +1,136 @@
+"""The read model: the status the controller hands to the CLI, Slack and the metrics, as typed snapshots.
+
+`RunStatus.to_json()` is the `eagle3 status --json` contract, key for key: a stage never started
+carries only its process fields; a started one adds `stop_requested` and its verdict fields (four
+while no verdict of this process is stored yet, all of them once one is). Readings the verdict
+quotes (`gpus`, `server`, `disk`, `progress`) stay in the observation format (dicts whose fields may
+be missing): they are the spine's, documented in ARCHITECTURE.md. Unknown is None, never zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pipeline.observe.verdict import Verdict
+from pipeline.stages.states import StageState
+
+PROCESS_KEYS = ("state", "pid", "exit_code", "signal", "started_at", "ended_at", "uptime_s", "log", "reason", "run")
+UNOBSERVED_KEYS = ("verdict", "progress_pct", "eta_s", "reasons")
+VERDICT_KEYS = ("verdict", "stuck", "progress_pct", "eta_s", "eta_low_s", "eta_high_s", "reasons", "done", "failed",
+                "total", "rate_samples_per_s", "rate_tokens_per_s", "last_progress_at", "eta_note")
+READING_KEYS = ("gpus", "server", "disk", "progress")
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    """One stage: its latest process (None fields before any) and, once observed, its verdict."""
+
+    state: StageState
+    log: str
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    started_at: float | None = None  # unix seconds
+    ended_at: float | None = None
+    uptime_s: float | None = None  # while running
+    reason: str | None = None  # how it ended, or why it is unknown
+    run: str | None = None
+    stop_requested: bool = False
+    observed: bool = False  # a verdict of this very process is stored (else: "not observed yet")
+    verdict: Verdict | None = None  # None: never started
+    stuck: bool | None = None
+    progress_pct: float | None = None
+    eta_s: float | None = None
+    eta_low_s: float | None = None
+    eta_high_s: float | None = None
+    reasons: tuple[str, ...] = ()
+    done: int | None = None
+    failed: int | None = None
+    total: int | None = None
+    rate_samples_per_s: float | None = None
+    rate_tokens_per_s: float | None = None
+    last_progress_at: float | None = None
+    eta_note: str | None = None  # why there is no ETA
+    observed_at: float | None = None
+    gpus: list[dict] | None = None
+    server: dict | None = None
+    disk: dict | None = None
+    progress: dict | None = None
+
+    @property
+    def started(self) -> bool:
+        """A process was ever started for this stage in the workspace."""
+        return self.state != StageState.NOT_STARTED
+
+    @property
+    def running(self) -> bool:
+        return self.state == StageState.RUNNING
+
+    @property
+    def processed(self) -> int | None:
+        """Samples (or steps) done and failed; None while unknown."""
+        return None if self.done is None else self.done + (self.failed or 0)
+
+    def to_json(self) -> dict[str, Any]:
+        """This stage in `status --json`, with exactly the keys of its branch."""
+        out = {k: _plain(getattr(self, k)) for k in PROCESS_KEYS}
+        if not self.started:
+            return out
+        out["stop_requested"] = self.stop_requested
+        keys = VERDICT_KEYS + ("observed_at",) + READING_KEYS if self.observed else UNOBSERVED_KEYS
+        out.update({k: _plain(getattr(self, k)) for k in keys})
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict) -> StageStatus:
+        """A stage as `to_json` wrote it (a recorded status, a test's fixture)."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in obj.items() if k in known}
+        values["state"] = StageState(values["state"])
+        values.setdefault("log", "")
+        if values.get("verdict") is not None:
+            values["verdict"] = Verdict.of(values["verdict"]) or Verdict.UNKNOWN
+        values["reasons"] = tuple(values.get("reasons") or ())
+        values["observed"] = "observed_at" in obj
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """The whole workspace: the run, the monitor, auto-start, Slack delivery and every stage."""
+
+    run: str | None
+    stages: dict[str, StageStatus]
+    monitor: str = "not running"  # or "running"
+    autostart: str = "off"  # "off" or the handoff's step
+    autostart_reason: str | None = None
+    outbox: dict = field(default_factory=dict)  # pending, failed, last_error
+    transport: dict | None = None  # how serve receives Slack's commands, while it runs
+    slack_auth: dict | None = None
+
+    def started(self) -> dict[str, StageStatus]:
+        """The stages that were ever started, in pipeline order."""
+        return {n: st for n, st in self.stages.items() if st.started}
+
+    def first_gpus(self) -> list[dict] | None:
+        """The first stage's GPU reading (they all read the same GPUs)."""
+        return next((st.gpus for st in self.stages.values() if st.gpus), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """`eagle3 status --json`."""
+        return {"run": self.run, "monitor": self.monitor, "autostart": self.autostart,
+                "autostart_reason": self.autostart_reason, "outbox": self.outbox, "transport": self.transport,
+                "slack_auth": self.slack_auth, "stages": {n: st.to_json() for n, st in self.stages.items()}}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> RunStatus:
+        """A status as `to_json` wrote it; missing keys take their defaults."""
+        known = {f.name for f in fields(cls)} - {"stages"}
+        return cls(stages={n: StageStatus.from_json(st) for n, st in (obj.get("stages") or {}).items()},
+                   **{k: v for k, v in obj.items() if k in known and k != "stages"})
+
+
+def _plain(value):
+    """JSON's value: tuples as lists (enums are str already)."""
+    return list(value) if isinstance(value, tuple) else value
