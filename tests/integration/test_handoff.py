@@ -59,6 +59,16 @@ def train_rows(cfg: Path) -> list[dict]:
     return rows
 
 
+def handoff_step(cfg: Path) -> str | None:
+    """The handoff's step as the store holds it (a plain read: no CLI start per poll)."""
+    conn = sqlite3.connect(f"file:{cfg.parent / '.eagle3' / 'state.sqlite'}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT value FROM kv WHERE key = 'handoff'").fetchone()
+    finally:
+        conn.close()
+    return json.loads(row[0]).get("step") if row else None
+
+
 def serve(cfg: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--config", str(cfg)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -138,10 +148,15 @@ def test_service_death_at_each_step_resumes_and_launches_once(completed_ws):
                                "state": "running", "argv": "[]", "started_at": time.time() - 11,
                                "stop_requested": 0})
         store.close()
-        out = eagle3("serve", "--max-ticks", "24", "--config", str(cfg), timeout=120)
-        assert out.returncode == 0, out.stdout + out.stderr
+        svc = serve(cfg)
+        # until the handoff launched training, then five ticks more: time enough to see a second launch
+        wait_for(lambda svc=svc: handoff_step(cfg) == "training-running" or svc.poll() is not None, timeout=90,
+                 what=f"step {step}: the restarted service to launch training", interval=0.2)
+        time.sleep(5 * 0.3)
+        out = finish(svc)
+        assert svc.returncode == 0, out
         st = status(cfg)
-        assert st["autostart"] == "training-running", (step, st["autostart_reason"], out.stdout)
+        assert st["autostart"] == "training-running", (step, st["autostart_reason"], out)
         started = [r for r in train_rows(cfg)[before:] if r["pid"] is not None]
         assert len(started) == 1, f"step {step}: training must be launched exactly once"
         if step.endswith("+orphan"):
