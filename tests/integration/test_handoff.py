@@ -20,7 +20,7 @@ from pipeline.handoff.machine import Handoff
 from pipeline.observe.probes import known
 from pipeline.stages.supervisor import Supervisor
 from pipeline.store import Store
-from tests.conftest import ROOT, eagle3, fixture_argv, wait_for
+from tests.conftest import ROOT, eagle3, fixture_argv, status_json, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,10 +45,7 @@ def demo_ws(tmp_path: Path, *, train_argv: list[str] | None = None, server_flags
     return cfg
 
 
-def status(cfg: Path) -> dict:
-    out = eagle3("status", "--json", "--config", str(cfg))
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+status = status_json
 
 
 def train_rows(cfg: Path) -> list[dict]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, eagle3, fixture_argv, wait_for
+from tests.conftest import ROOT, eagle3, fixture_argv, status_json, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,10 +20,7 @@ def write_cfg(tmp_path, total, delay, exit_at=None):
     return cfg
 
 
-def status(cfg):
-    out = eagle3("status", "--json", "--config", str(cfg))
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+status = status_json
 
 
 def test_serve_observes_progress_and_status_shows_verdict(tmp_path):

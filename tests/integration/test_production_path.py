@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.configcheck import SERVICE_PATH
 from pipeline.toy.demo_workspace import write_dataset
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, status_json, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 EAGLE3 = str(Path(sys.executable).parent / "eagle3")  # what the unit's ExecStart names
@@ -44,10 +44,7 @@ def eagle3(cfg: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=90)
 
 
-def status(cfg: Path) -> dict:
-    out = eagle3(cfg, "status", "--json")
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+status = status_json
 
 
 def rows(cfg: Path, sql: str) -> list[tuple]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,15 +13,13 @@ import pytest
 
 from pipeline.config import load_workspace
 from pipeline.controller import Controller
-from tests.conftest import eagle3, fixture_argv, wait_for
+from tests.conftest import eagle3, fixture_argv, status_json, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def status(cfg):
-    result = eagle3("status", "--json", "--config", str(cfg))
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return status_json(cfg, cli=True)  # the stage lifecycle as the CLI reports it
 
 
 def stage_state(cfg, stage):
