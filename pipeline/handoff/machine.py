@@ -244,7 +244,9 @@ class Handoff:
                     self._note(f"launch attempt {len(attempts)} of {cfg.launch_attempts} failed "
                                f"({attempts[-1]['reason']}); retrying in {due - self.clock():.0f} s")
                     return
-            self.sup.start("train")
+            # checked in the insert's transaction: a cancel that landed since this tick read the step wins
+            if self.sup.start("train", only_if=lambda: (self.state() or {}).get("step") == LAUNCHING) is None:
+                return
         started = [p for p in rows() if p["pid"] is not None]
         if not started:
             self._note("waiting for the training runner to report its pid")

@@ -98,8 +98,10 @@ class Supervisor:
         return bool(proc) and proc["state"] == StageState.RUNNING
 
     # --- start ----------------------------------------------------------------
-    def start(self, stage: str) -> dict:
-        """Start `stage` under a detached runner; returns its process row once it has a pid."""
+    def start(self, stage: str, *, only_if=None) -> dict | None:
+        """Start `stage` under a detached runner; returns its process row once it has a pid. With
+        `only_if`, a check made in the same transaction as the row's insert: when it fails nothing is
+        started and None is returned (the handoff's launch against a cancel that lands meanwhile)."""
         self.ws.require_filled(stage)
         self.refresh()
         proc = self.store.latest_proc(stage)
@@ -110,6 +112,8 @@ class Supervisor:
         run_id = self.store.open_run()
         argv = self.ws.stage(stage).argv
         with self.store.atomic():
+            if only_if is not None and not only_if():
+                return None
             proc_id = self.store.insert_proc({
                 "run_id": run_id, "stage": stage, "state": str(StageState.RUNNING), "argv": json.dumps(argv),
                 "log": str(self.ws.log_path(stage)), "started_at": self.host.clock(), "stop_requested": 0,

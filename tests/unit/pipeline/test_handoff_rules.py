@@ -77,3 +77,11 @@ def test_a_stopped_stage_does_not_show_its_last_running_verdict(ctl):
     st = ctl.status(sample_if_unmonitored=False).to_json()["stages"]["extract"]
     assert st["verdict"] == "stopped" and st["eta_s"] is None
     assert st["reasons"] == ["stopped on request (exit code 0)"]
+
+
+def test_a_launch_checked_against_a_cancel_in_its_own_transaction_starts_nothing(ctl):
+    """The handoff decides to launch, a cancel commits, then the launch inserts its row: the check in
+    the insert's transaction sees the cancel, so no training row (and no runner) appears after it."""
+    before = ctl.store.latest_proc("train")
+    assert ctl.supervisor.start("train", only_if=lambda: False) is None
+    assert ctl.store.latest_proc("train") == before
