@@ -185,8 +185,9 @@ class EtaEstimator:
         prompts to come (sorted descending): alike at best, spread as far as the current length at worst."""
         mean = k / n
         floor = k * k / n
-        spread = n * (mean - (self.recent_length or mean)) ** 2
-        if mean < (self.recent_length or mean):  # shorter prompts to come (sorted descending): no tail beyond
+        current = self.recent_length or mean
+        spread = n * (mean - current) ** 2
+        if mean < current:  # shorter prompts to come (sorted descending): no tail beyond
             return floor, floor, floor + spread
         return floor, floor + spread, floor + 2 * spread
 
