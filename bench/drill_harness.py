@@ -314,9 +314,11 @@ def server_crash(base: Path, *, trials: int, seed: int = 2) -> Tally:
                 tally.problem(trial, "the server never crashed")
             if (ws.kv("verdict:extract") or {}).get("verdict") != "done":
                 tally.problem(trial, f"extraction verdict {ws.kv('verdict:extract')}")
-            alerts = [p["text"] for p in fake.of("chat.postMessage") if "server is dead" in p.get("text", "")]
-            if not alerts:
+            texts = [p.get("text", "") for p in fake.of("chat.postMessage")]
+            if not any("server is dead" in t for t in texts):
                 tally.problem(trial, "no alert for the server crash")
+            if not any("server restarted (attempt 1 of 3)" in t for t in texts):
+                tally.problem(trial, "no message for the server's restart")
             ws.terminate(svc)
             ws.check_outcome(tally, trial, fake)
         finally:

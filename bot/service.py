@@ -24,9 +24,11 @@ DELIVERY_INTERVAL_S = 1.0
 DRAIN_S = 5.0  # at shutdown: how long to keep delivering what is due
 AUTH_RETRY_PASSES = 30  # an unreachable Slack: auth.test again after this many delivery passes
 RECONNECT_MAX_S = 60.0
-# slack_sdk calls a socket stale after more than 4 ping intervals without a pong, checked every
-# interval: 2 s replaces a connection that died without a word within about 11 s (Bolt's 10 s: ~55 s).
-PING_INTERVAL_S = 2.0
+# slack_sdk calls a socket stale after more than 4 ping intervals without a pong (whole seconds),
+# checked every interval: 1.5 s replaces a connection that died without a word within about 9.5 s
+# plus the new handshake (at 2 s: 11 s, 15.2 s measured once on a loaded host; Bolt's 10 s: ~55 s).
+PING_INTERVAL_S = 1.5
+CONNECTED_CHECK_S = 1.0  # is_connected() reads a flag: our loop reconnects a second after a socket closes
 REFRESH_GRACE_S = 5.0
 
 
@@ -283,7 +285,7 @@ class Inputs:
                     log.info("slack: Socket Mode connected")
                 connected, delay, failing = True, 1.0, False
                 self._record("connected", None)
-                wait = 5.0
+                wait = CONNECTED_CHECK_S
             except Exception as exc:  # noqa: BLE001 - unreachable Slack: retry; the monitor keeps running
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("slack: Socket Mode cannot connect (%s); retrying in %.0f s", error, delay)

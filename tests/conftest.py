@@ -162,17 +162,14 @@ def toy_extraction(tmp_path_factory):
 # two long ones never share a worker's opening.
 LONGEST_FIRST = (
     "test_demo.py::test_demo_tells_the_whole_story",
-    "test_handoff.py::test_service_death_at_each_step",
     "test_production_path.py::test_the_guides_production_path",
-    "test_train.py::test_torchrun_80_steps",
-    "test_handoff.py::test_demo_workspace_hands_off_to_real_torchrun",
+    "test_handoff.py::test_service_death_at_each_step",
+    "test_train.py::test_torchrun_learns_the_target",
     "test_drills.py::test_kill_9_of_serve",
-    "test_train.py::test_sigterm_then_resume",
-    "test_handoff.py::test_server_crash_is_restarted",
-    "test_handoff.py::test_kill_9_of_the_service_mid_handoff",
+    "test_drills.py::test_disk_full_mid_run",
+    "test_drills.py::test_server_crash_mid_extraction",
     "test_extract.py::test_concurrency_is_held",
     "test_handoff.py::test_double_arm",
-    "test_drills.py::test_server_crash_mid_extraction",
 )
 
 

@@ -17,7 +17,7 @@ def assert_clean(tally: harness.Tally) -> None:
 
 @pytest.mark.timeout(400)
 def test_kill_9_of_serve_during_extraction_and_handoff(tmp_path):
-    """Once, with the stand-in trainer: the handoff to the real 2-process torchrun is test_handoff's
+    """Once, with the stand-in trainer: the handoff to the real 2-process torchrun is test_demo's
     (`make drills` runs 20 trials in a row, the first with the real trainer, other seeds and kill points)."""
     tally = harness.kill9_serve(tmp_path, trials=1, real_trainer_trials=0, seed=1)
     assert_clean(tally)

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import psutil
 import pytest
 
 from bench.fake_slack import FakeSlack
+from pipeline.toy.demo_workspace import TRAIN_STEPS
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -64,6 +66,13 @@ def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_runnin
     assert res["tau"] >= res["tau_no_aux"] + 0.3, res
     for stage in ("extract", "train"):
         assert (Path(ws) / "charts" / f"{stage}.png").read_bytes()[:4] == b"\x89PNG"
+    # the handoff to the real 2-process torchrun happened exactly once, and its steps ran once each
+    conn = sqlite3.connect(Path(ws) / ".eagle3" / "state.sqlite")
+    trains = conn.execute("SELECT exit_code FROM stage_procs WHERE stage = 'train'").fetchall()
+    conn.close()
+    assert trains == [(0,)], trains
+    steps = [json.loads(line)["step"] for line in (Path(ws) / "ckpt" / "progress.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, TRAIN_STEPS + 1))
     assert re.search(r"time per stage: .*train \d+ s", out), out  # how long is the benchmark's business, not a test's
     assert "Traceback" not in out and "xoxb-demo" not in out
     posts, updates = fake.of("chat.postMessage"), fake.of("chat.update")

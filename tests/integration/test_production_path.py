@@ -1,6 +1,6 @@
 """The operator guide's production path, as the service runs it: systemd's PATH (no venv on it),
 `eagle3 init`'s template filled in, Socket Mode with Slack unreachable. The toy server stands in
-for SGLang and a stand-in trainer for torchrun (the real torchrun handoff is test_handoff's)."""
+for SGLang and a stand-in trainer for torchrun (the real torchrun handoff is test_demo's)."""
 
 from __future__ import annotations
 

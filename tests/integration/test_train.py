@@ -37,47 +37,47 @@ def progress(ckpt: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_torchrun_80_steps_learns_the_target(toy_extraction, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    proc = torchrun("--data", str(toy_extraction["out"]), "--target-model", str(toy_extraction["target"]),
-                    "--out", str(ckpt), "--steps", "80", *SMALL)
-    out = proc.communicate(timeout=280)[0]
-    assert proc.returncode == 0, out
+def test_torchrun_learns_the_target_and_a_sigterm_then_resume_matches_the_uninterrupted_run(toy_extraction, tmp_path):
+    """Run a: 30 steps uninterrupted (it learns; the export loads); run b, beside it: the same run stopped
+    by SIGTERM after 8 steps, then resumed (`--lm-head`, the older name of `--target-model`)."""
+    data, target = str(toy_extraction["out"]), str(toy_extraction["target"])
+    a = torchrun("--data", data, "--target-model", target, "--steps", "30", *SMALL, "--out", str(tmp_path / "a"))
+    common = ["--data", data, "--lm-head", target, "--steps", "30", *SMALL]
+    b = torchrun(*common, "--out", str(tmp_path / "b"))
+    wait_for(lambda: len(progress(tmp_path / "b")) >= 8, timeout=200, what="8 steps of run b")
+    os.killpg(b.pid, signal.SIGTERM)
+    out_b = b.communicate(timeout=120)[0]
+    assert "checkpoint saved at step" in out_b, out_b
+    saved = int((tmp_path / "b" / "latest").read_text().strip().removeprefix("step_"))
+    assert saved < 25
+    out = a.communicate(timeout=280)[0]
+    assert a.returncode == 0, out
+    resumed = torchrun(*common, "--out", str(tmp_path / "b"), "--resume")
+    assert resumed.communicate(timeout=280)[0] is not None and resumed.returncode == 0
+
+    # run a learned, and its export is what SGLang loads
+    ckpt = tmp_path / "a"
     assert "target from the final hidden state (post-norm) through the target's LM head" in out
-    lines = progress(ckpt)
-    assert [r["step"] for r in lines] == list(range(1, 81))
-    assert all(set(r) == {"step", "total_steps", "loss", "kl", "tokens_per_s"} for r in lines)
-    assert lines[-1]["kl"] <= 0.5 * lines[0]["kl"], (lines[0], lines[-1])
+    la = progress(ckpt)
+    assert [r["step"] for r in la] == list(range(1, 31))
+    assert all(set(r) == {"step", "total_steps", "loss", "kl", "tokens_per_s"} for r in la)
+    assert la[-1]["kl"] <= 0.5 * la[0]["kl"], (la[0], la[-1])
     val = json.loads((ckpt / "validation.jsonl").read_text().splitlines()[-1])
     assert val["acc"][0] > val["baseline_top1"]
-    step = ckpt / "checkpoints" / "step_80"
+    step = ckpt / "checkpoints" / "step_30"
     assert {p.name for p in step.iterdir()} >= {"model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt"}
     assert "fc.weight" in load_file(step / "model.safetensors")
-    assert (ckpt / "latest").read_text().strip() == "step_80"
+    assert (ckpt / "latest").read_text().strip() == "step_30"
     from pipeline.draft.sglang import check_export
     assert check_export(ckpt / "draft") == []
     assert f"--speculative-draft-model-path {ckpt / 'draft'}" in out
 
-
-@pytest.mark.slow
-def test_sigterm_then_resume_matches_an_uninterrupted_run(toy_extraction, tmp_path):
-    common = ["--data", str(toy_extraction["out"]), "--lm-head", str(toy_extraction["target"]), "--steps", "30", *SMALL]  # the older name
-    b = torchrun(*common, "--out", str(tmp_path / "b"))
-    wait_for(lambda: len(progress(tmp_path / "b")) >= 8, timeout=200, what="8 steps of run b")
-    os.killpg(b.pid, signal.SIGTERM)
-    out = b.communicate(timeout=120)[0]
-    assert "checkpoint saved at step" in out, out
-    saved = int((tmp_path / "b" / "latest").read_text().strip().removeprefix("step_"))
-    assert saved < 25
-    a = torchrun(*common, "--out", str(tmp_path / "a"))
-    assert a.communicate(timeout=280)[0] is not None and a.returncode == 0
-    resumed = torchrun(*common, "--out", str(tmp_path / "b"), "--resume")
-    assert resumed.communicate(timeout=280)[0] is not None and resumed.returncode == 0
-    la = {r["step"]: r["loss"] for r in progress(tmp_path / "a")}
+    # run b resumed where it stopped and then matched run a step for step
+    loss_a = {r["step"]: r["loss"] for r in la}
     lb = progress(tmp_path / "b")
     assert [r["step"] for r in lb] == list(range(1, 31)), "steps must not repeat or skip across the resume"
     for r in lb[saved: saved + 5]:
-        assert r["loss"] == pytest.approx(la[r["step"]], rel=1e-5), (r["step"], r["loss"], la[r["step"]])
+        assert r["loss"] == pytest.approx(loss_a[r["step"]], rel=1e-5), (r["step"], r["loss"], loss_a[r["step"]])
 
 
 def copy_data(src: Path, dst: Path) -> Path:

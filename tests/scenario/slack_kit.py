@@ -16,7 +16,8 @@ import httpx
 from bench.fake_slack import FakeSlack
 from bot.app import build_app, serve_http
 from pipeline.config import load_workspace
-from tests.conftest import eagle3, fixture_argv, wait_for
+from pipeline.controller import Controller
+from tests.conftest import fixture_argv, status_json, wait_for
 
 SECRET = "test-signing-secret"
 
@@ -28,9 +29,10 @@ def extracted_workspace(tmp_path, *extract_args: str, extra: str = "", train_ext
     cfg.write_text(f'[slack]\nallowed_user_ids = ["UOK"]\n{extra}[stages.extract]\nout = "out"\n'
                    f'argv = {json.dumps(fixture_argv("fake_extract.py", str(tmp_path / "out"), *extract_args))}\n'
                    f'[stages.train]\n{train_extra}argv = {json.dumps(fixture_argv("sleeper.py"))}\n')
-    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
-    wait_for(lambda: json.loads(eagle3("status", "--json", "--config", str(cfg)).stdout)["stages"]["extract"]
-             .get("verdict") in ("dead", "done"), what="the stand-in extraction to end")
+    with Controller.open(str(cfg)) as ctl:  # the CLI's verbs, in-process (the CLI itself is tested elsewhere)
+        ctl.start("extract")
+    wait_for(lambda: status_json(cfg)["stages"]["extract"].get("verdict") in ("dead", "done"),
+             what="the stand-in extraction to end")
     return cfg
 
 
@@ -47,7 +49,8 @@ def slack_env(tmp_path, *extract_args: str, extra: str = ""):
     finally:
         server.shutdown()
         fake.close()
-        eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
+        with Controller.open(str(cfg)) as ctl:
+            ctl.stop_all(grace_s=1)
 
 
 def signature_headers(body: str, *, secret: str = SECRET, ts: int | None = None) -> dict:
