@@ -109,10 +109,13 @@ def cmd_start(args) -> int:
             raise UserError(train_guard_text(exc.completion)) from None
         except ServerHoldsGpusError as exc:
             raise UserError(server_holds_gpus_text(exc)) from None
-    if proc["pid"] is None:
+    from pipeline.stages.supervisor import launched, who
+    if not launched(proc):
         raise UserError(f"{args.stage} did not start: {proc['reason']}; see `eagle3 logs {args.stage}`")
-    print(f"started {args.stage}: pid {proc['pid']}, run {proc['run_id']}, log {proc['log']}")
-    if proc["state"] != "running":
+    print(f"started {args.stage}: {who(proc)}, run {proc['run_id']}, log {proc['log']}")
+    if proc["state"] == "queued":
+        print(f"{args.stage} is {proc['reason']}")
+    elif proc["state"] != "running":
         print(f"{args.stage} has already ended ({proc['reason']}); see `eagle3 logs {args.stage}`")
     return 0
 

@@ -18,6 +18,7 @@ from handlers.render.views import (
 )
 from pipeline.config import STAGE_NAMES
 from pipeline.errors import UserError
+from pipeline.stages.supervisor import who
 
 SUBCOMMANDS = {  # usage -> what it answers; the help text, the docs test and the app manifest use this
     "status": "the run at a glance: stage, verdict, progress, rate, ETA, GPUs, disk (also `/eagle3` alone)",
@@ -143,7 +144,8 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
                     else server_holds_gpus_text(exc, cmd=SLASH))
             _, blocks = status_blocks(status, version=ctl.state_version())
             return text, text_blocks(text) + blocks[-1:]
-        return f"training started (pid {proc['pid']})", text_blocks(f"training started (pid {proc['pid']})")
+        text = f"training started ({who(proc)})"
+        return text, text_blocks(text)
     if verb.startswith("autostart"):
         on = verb.endswith("on")
         text = autostart_text(on, ctl.autostart(on, by=f"slack:{user}"), cmd=SLASH)

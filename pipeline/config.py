@@ -43,6 +43,12 @@ class StageConfig(_Section):
     files_dir: str | None = Field(default=None, description="Output tree scanned for activity (default: extract out/hidden_states, train out).")
     files_suffix: str = Field(default="", description="Only files with this suffix count as final files.")
     files_total: int | None = Field(default=None, ge=1, description="With progress = files: the expected file count.")
+    executor: Literal["local", "slurm"] = Field(
+        default="local", description="Who runs the stage: a detached runner on this host, or a Slurm job (see [slurm]).")
+    nodes: int = Field(default=1, ge=1, description="Slurm: nodes for the job (above 1: `srun` + torchrun's c10d rendezvous).")
+    gpus_per_node: int = Field(default=0, ge=0, description="Slurm: GPUs per node (`--gres=gpu:N`).")
+    cpus_per_task: int = Field(default=1, ge=1, description="Slurm: CPUs for the stage's one task per node.")
+    mem: str | None = Field(default=None, description='Slurm: memory per node, e.g. "64G" (unset: the partition\'s default).')
 
     @field_validator("progress_regex")
     @classmethod
@@ -162,6 +168,16 @@ class MetricsConfig(_Section):
     host: str = Field(default="127.0.0.1", description="Address /metrics listens on.")
 
 
+class SlurmConfig(_Section):
+    """Defaults for stages with executor = "slurm" (the job's shape is per stage)."""
+
+    partition: str | None = Field(default=None, description="Partition (unset: the cluster's default).")
+    account: str | None = Field(default=None, description="Account charged for the jobs.")
+    qos: str | None = Field(default=None, description="Quality of service.")
+    time: str | None = Field(default=None, description='Time limit, e.g. "12:00:00" (unset: the partition\'s).')
+    extra_args: list[str] = Field(default_factory=list, description='More sbatch options, e.g. ["--exclusive"].')
+
+
 class StateConfig(_Section):
     """Where eagle3 keeps its own state."""
 
@@ -179,6 +195,7 @@ class Config(_Section):
     handoff: HandoffConfig = Field(default_factory=HandoffConfig, description="Handoff settings.")
     state: StateConfig = Field(default_factory=StateConfig, description="State settings.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics.")
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm settings for stages run as jobs.")
 
 
 class Workspace:

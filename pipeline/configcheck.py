@@ -42,7 +42,24 @@ def problems(ws: Workspace, *, path_env: str | None = None) -> list[str]:
     out += _paths_agree(ws)
     out += _data_exists(ws)
     out += _commands(ws, path_env or SERVICE_PATH)
+    out += slurm_problems(ws)
     return out
+
+
+def slurm_problems(ws: Workspace) -> list[str]:
+    """For stages with executor = "slurm": Slurm's client commands here and a controller that answers."""
+    from pipeline.stages import slurm
+
+    stages = [s for s in STAGE_NAMES if ws.stage(s).executor == "slurm"]
+    if not stages:
+        return []
+    where = f"{ws.path.name}: stages.{stages[0]}.executor"
+    missing = slurm.missing_commands()
+    if missing:
+        return [f'{where}: "slurm" needs Slurm\'s client commands on this host; not on PATH: {", ".join(missing)} '
+                "(install slurm-client, or run the stage with executor = \"local\")"]
+    why = slurm.ping()
+    return [f"{where}: {why}; check SLURM_CONF and that slurmctld runs"] if why else []
 
 
 def _leaves(value: object, key: str = ""):
@@ -131,8 +148,8 @@ def _commands(ws: Workspace, path_env: str) -> list[str]:
     out = []
     for stage in STAGE_NAMES:
         cfg = ws.stage(stage)
-        if not cfg.argv or PLACEHOLDER.search(cfg.argv[0]):
-            continue
+        if not cfg.argv or PLACEHOLDER.search(cfg.argv[0]) or cfg.executor == "slurm":
+            continue  # a job's command is looked up on its compute node, not here
         why = command_problem(cfg.argv[0], cwd=ws.resolve(cfg.cwd) or ws.root, path_env=cfg.env.get("PATH", path_env))
         if why:
             out.append(f"{ws.path.name}: stages.{stage}.argv[0]: {why}")

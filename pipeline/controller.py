@@ -229,7 +229,8 @@ class Controller:
             state=StageState(proc["state"]), pid=proc["pid"], exit_code=proc["exit_code"], signal=proc["signal"],
             started_at=proc["started_at"], ended_at=proc["ended_at"],
             uptime_s=round(now - proc["started_at"], 1) if running and proc["started_at"] else None,
-            log=proc["log"], reason=proc["reason"], run=proc["run_id"], stop_requested=bool(proc["stop_requested"]))
+            log=proc["log"], reason=proc["reason"], run=proc["run_id"], stop_requested=bool(proc["stop_requested"]),
+            job=proc.get("job_id") if proc.get("executor") == "slurm" else None)
         return self._with_verdict(stage, proc, st)
 
     def _with_verdict(self, stage: str, proc: dict, st: StageStatus) -> StageStatus:

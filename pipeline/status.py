@@ -37,6 +37,7 @@ class StageStatus:
     reason: str | None = None  # how it ended, or why it is unknown
     run: str | None = None
     stop_requested: bool = False
+    job: str | None = None  # the Slurm job id of a stage run as a job (the key is absent for local stages)
     observed: bool = False  # a verdict of this very process is stored (else: "not observed yet")
     verdict: Verdict | None = None  # None: never started
     stuck: bool | None = None
@@ -75,6 +76,8 @@ class StageStatus:
     def to_json(self) -> dict[str, Any]:
         """This stage in `status --json`, with exactly the keys of its branch."""
         out = {k: _plain(getattr(self, k)) for k in PROCESS_KEYS}
+        if self.job is not None:
+            out["job"] = self.job
         if not self.started:
             return out
         out["stop_requested"] = self.stop_requested

@@ -74,6 +74,14 @@ def m005_outbox_attachment(db: Database) -> None:
     db["outbox"].add_column("attachment", str)
 
 
+@migrations()
+def m006_stage_jobs(db: Database) -> None:
+    """Stages run by an executor other than the local runner: which one, and the job's name and id."""
+    db["stage_procs"].add_column("executor", str)
+    db["stage_procs"].add_column("job_name", str)
+    db["stage_procs"].add_column("job_id", str)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")

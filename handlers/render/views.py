@@ -61,6 +61,8 @@ def stage_line(name: str, st: StageStatus) -> str:
     parts = [f"{name:<8} {st.state:<11}"]
     if st.pid:
         parts.append(f"pid {st.pid}")
+    if st.job:
+        parts.append(f"Slurm job {st.job}")
     if st.running:
         parts.append(f"up {ago(st.uptime_s)}")
     elif st.ended_at:

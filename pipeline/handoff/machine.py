@@ -19,7 +19,7 @@ from pipeline.config import Workspace
 from pipeline.errors import UserError
 from pipeline.handoff import completion
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
-from pipeline.stages.supervisor import NO_RUNNER, Supervisor
+from pipeline.stages.supervisor import NO_RUNNER, Supervisor, is_job, launched, who
 from pipeline.store import Store
 
 
@@ -198,6 +198,11 @@ class Handoff:
             self._note(f"waiting for GPU release: {why}")
 
     def _released(self, state: dict) -> tuple[bool, str]:
+        server = self.store.latest_proc("server")
+        if server and is_job(server):  # on a cluster: the server's GPUs are free once its job has left the queue
+            if server["state"] in MAYBE_ALIVE_STATES:
+                return False, f"the server's Slurm job {server['job_id']} is still {server['state']}"
+            return True, f"the server's Slurm job {server['job_id']} has left the queue ({server['reason']})"
         port = self.ws.config.stages.server.port
         if not self.port_check(port):
             return False, f"port {port} still in use"
@@ -229,7 +234,7 @@ class Handoff:
         # failure and does not count. Other rows closed without a pid are failed attempts, and
         # attempts are bounded: a command that cannot start never will.
         self.sup.refresh()
-        if not any(p["pid"] is not None or p["state"] in MAYBE_ALIVE_STATES for p in rows()):
+        if not any(launched(p) or p["state"] in MAYBE_ALIVE_STATES for p in rows()):
             attempts = [p for p in rows() if NO_RUNNER not in (p["reason"] or "")]
             cfg = self.ws.config.handoff
             if len(attempts) >= cfg.launch_attempts:
@@ -247,18 +252,18 @@ class Handoff:
             # checked in the insert's transaction: a cancel that landed since this tick read the step wins
             if self.sup.start("train", only_if=lambda: (self.state() or {}).get("step") == LAUNCHING) is None:
                 return
-        started = [p for p in rows() if p["pid"] is not None]
+        started = [p for p in rows() if launched(p)]
         if not started:
             self._note("waiting for the training runner to report its pid")
             return
         with self.store.atomic():  # the same transaction as a cancel's check: one of the two wins
             if (self.state() or {}).get("step") == LAUNCHING:
-                self._set(TRAINING, f"training launched (pid {started[0]['pid']})", train_proc_id=started[0]["id"])
+                self._set(TRAINING, f"training launched ({who(started[0])})", train_proc_id=started[0]["id"])
                 return
         # Cancelled while the launch was under way: the operator was told no training would run.
         self.sup.stop("train", grace_s=30.0)
         self.store.add_event(kind="handoff", run_id=self.store.current_run(), data={
-            "step": CANCELLED, "reason": f"training (pid {started[0]['pid']}) stopped: auto-start was "
+            "step": CANCELLED, "reason": f"training ({who(started[0])}) stopped: auto-start was "
                                          "cancelled while it was being launched"})
 
     def _draft_note(self) -> str:

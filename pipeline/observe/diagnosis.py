@@ -237,6 +237,10 @@ class Diagnoser:
         ended = proc.get("alive") is False or proc.get("exit_code") is not None
         if ended:
             return self._ended(t, proc, prog)
+        if proc.get("queued"):  # waiting for Slurm's allocation: the startup window begins when it runs
+            self.first_t = t
+            return self._base(t, prog, verdict="starting", reasons=(
+                f"{proc.get('queue_reason') or 'queued in Slurm'} — waiting for its allocation, not a stall",))
         if proc.get("alive") is None and not prog and not obs.get("server"):
             why = (obs.get("unknown") or {}).get("process", "no process reading")
             return self._base(t, prog, verdict="unknown", reasons=(f"process state unknown: {why}",))

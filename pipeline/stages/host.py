@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from pipeline.config import without_secrets
+from pipeline.config import Workspace, without_secrets
 
 # create_time is boot time plus the kernel's start time in clock ticks (10 ms), so
 # the same process always reads the same value; a reused pid reads a later one, at
@@ -91,6 +91,15 @@ class RealHost:
             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
         )
         return proc.pid
+
+
+def stage_env(ws: Workspace, stage: str) -> dict[str, str]:
+    """The environment a stage runs with: ours without the Slack secrets, its configured env, its GPUs."""
+    cfg = ws.stage(stage)
+    env = without_secrets({**os.environ, **cfg.env, "PYTHONUNBUFFERED": "1"})
+    if cfg.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
+    return env
 
 
 SIGTERM = signal.SIGTERM

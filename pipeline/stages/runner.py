@@ -16,23 +16,14 @@ import signal
 import subprocess
 import threading
 
-from pipeline.config import Workspace, without_secrets
-from pipeline.stages.host import RealHost
+from pipeline.config import Workspace
+from pipeline.stages.host import RealHost, stage_env
 from pipeline.stages.logfile import RotatingLog
 from pipeline.stages.states import StageState, transition
 from pipeline.stages.supervisor import claim_row, record_exit
 from pipeline.store import Store
 
 DRAIN_AFTER_EXIT_S = 5.0
-
-
-def stage_env(ws: Workspace, stage: str) -> dict[str, str]:
-    """The environment a stage runs with: ours without the Slack secrets, its configured env, its GPUs."""
-    cfg = ws.stage(stage)
-    env = without_secrets({**os.environ, **cfg.env, "PYTHONUNBUFFERED": "1"})
-    if cfg.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
-    return env
 
 
 def _copy_output(src, log: RotatingLog) -> None:

@@ -9,6 +9,7 @@ class StageState(StrEnum):
     """The state of a stage, as `eagle3 status` reports it."""
 
     NOT_STARTED = "not-started"
+    QUEUED = "queued"  # a Slurm job waiting for its allocation (never a stall)
     RUNNING = "running"
     EXITED = "exited"
     STOPPED = "stopped"
@@ -18,7 +19,7 @@ class StageState(StrEnum):
 RUNNING_STATES = frozenset({StageState.RUNNING})
 ENDED_STATES = frozenset({StageState.EXITED, StageState.STOPPED})
 # A row in these states may still own live processes: never start a second copy.
-MAYBE_ALIVE_STATES = frozenset({StageState.RUNNING, StageState.UNKNOWN})
+MAYBE_ALIVE_STATES = frozenset({StageState.QUEUED, StageState.RUNNING, StageState.UNKNOWN})
 
 
 
@@ -34,6 +35,12 @@ _EDGES = {
     (StageState.UNKNOWN, StageState.RUNNING),  # UNKNOWN -> RUNNING: verified again by (pid, create_time)
     (StageState.UNKNOWN, StageState.EXITED),  # UNKNOWN -> EXITED: a late exit record, or confirmed gone
     (StageState.UNKNOWN, StageState.STOPPED),  # UNKNOWN -> STOPPED: stopped by the operator
+    (StageState.QUEUED, StageState.RUNNING),  # QUEUED -> RUNNING: Slurm allocated the job
+    (StageState.QUEUED, StageState.EXITED),  # QUEUED -> EXITED: failed before it ran (or never submitted)
+    (StageState.QUEUED, StageState.STOPPED),  # QUEUED -> STOPPED: cancelled while pending
+    (StageState.QUEUED, StageState.UNKNOWN),  # QUEUED -> UNKNOWN: the cluster no longer knows the job
+    (StageState.RUNNING, StageState.QUEUED),  # RUNNING -> QUEUED: Slurm requeued the job
+    (StageState.UNKNOWN, StageState.QUEUED),  # UNKNOWN -> QUEUED: the cluster answers again
 }
 
 

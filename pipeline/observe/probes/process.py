@@ -51,6 +51,12 @@ def read_process(row: dict | None, *, clock=time.time) -> Reading:
         if line:
             value["last_line"] = line
         return known(value, clock=clock)
+    if row.get("executor") == "slurm":  # the cluster's word, from the row the supervisor keeps current
+        value = {"alive": True if row["state"] == "running" else None, "exit_code": None, "stop_requested": stop,
+                 "job_id": row.get("job_id"), "queued": row["state"] == "queued"}
+        if row["state"] == "queued":
+            value["queue_reason"] = row.get("reason")
+        return known(value, clock=clock)
     if row.get("pid") is None:
         return known({"alive": None, "exit_code": None, "stop_requested": stop}, clock=clock)
     members = group_processes(row["pgid"], row["create_time"] or 0)

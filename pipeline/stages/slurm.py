@@ -1,0 +1,203 @@
+"""Stages as Slurm jobs: the batch script, `sbatch --parsable`, the job's state, `scancel`.
+
+Slurm is driven through its own commands (the ones its users already have), never a
+scheduler of ours. A job is named before it is submitted and its row records the name
+first, so after a crash between the submission and the record the job is found by its
+name instead of being submitted again. Reads never raise: a cluster that does not answer,
+or no longer knows a job, is a `JobInfo` that says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import SlurmConfig, StageConfig
+
+SLURM_TIMEOUT_S = 30.0
+PENDING = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESV_DEL_HOLD"})
+ACTIVE = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "STAGE_OUT", "RESIZING", "SIGNALING"})
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                   "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+TORCHRUN = ("torchrun", "torch.distributed.run")
+
+
+class SlurmError(Exception):
+    """A Slurm command failed; the message is one line naming the command and its answer."""
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What the cluster says about one job. `state` is Slurm's JobState, or "" when unknown."""
+
+    state: str
+    reason: str | None = None  # Slurm's Reason (Resources, Priority, NonZeroExitCode, …) or why unknown
+    exit_code: int | None = None
+    signal: int | None = None
+    known: bool = True  # False: the cluster no longer knows the job (or did not answer)
+
+    @property
+    def pending(self) -> bool:
+        return self.state in PENDING
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    def describe(self) -> str:
+        """The end as one phrase: `Slurm: FAILED (NonZeroExitCode), exit code 3`."""
+        how = f"Slurm: {self.state}" + (f" ({self.reason})" if self.reason and self.reason != "None" else "")
+        if self.signal:
+            return f"{how}, killed by signal {self.signal}"
+        return f"{how}, exit code {self.exit_code}" if self.exit_code is not None else how
+
+
+def missing_commands() -> list[str]:
+    """The Slurm client commands not on PATH (sbatch, squeue, scontrol, scancel)."""
+    return [c for c in ("sbatch", "squeue", "scontrol", "scancel") if shutil.which(c) is None]
+
+
+def _run(argv: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, env=env)
+    except FileNotFoundError:
+        raise SlurmError(f"`{argv[0]}` is not on PATH: install Slurm's client commands on this host") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(argv[:2])}` did not answer within {SLURM_TIMEOUT_S:.0f} s "
+                         "(is slurmctld reachable?)") from None
+    except OSError as exc:
+        raise SlurmError(f"cannot run `{argv[0]}`: {exc.strerror}") from None
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def ping() -> str | None:
+    """None when slurmctld answers, else one line saying why not."""
+    try:
+        r = _run(["scontrol", "ping"])
+    except SlurmError as exc:
+        return str(exc)
+    if r.returncode != 0 or " is UP" not in r.stdout:
+        return f"the Slurm controller does not answer (`scontrol ping`: {_first_line(r.stdout + r.stderr) or r.returncode})"
+    return None
+
+
+def _exit(text: str | None) -> tuple[int | None, int | None]:
+    """Slurm's ExitCode `code:signal`."""
+    m = re.fullmatch(r"(\d+):(\d+)", (text or "").strip())
+    if not m:
+        return None, None
+    code, sig = int(m.group(1)), int(m.group(2))
+    return (None, sig) if sig else (code, None)
+
+
+def query(job_id: str) -> JobInfo:
+    """The job's state: `scontrol show job` (running and recently ended jobs), then `sacct` where
+    accounting is configured. Never raises."""
+    try:
+        r = _run(["scontrol", "show", "job", "-o", job_id])
+    except SlurmError as exc:
+        return JobInfo(state="", reason=str(exc), known=False)
+    if r.returncode == 0 and "JobState=" in r.stdout:
+        fields = dict(re.findall(r"(\w+)=(\S*)", r.stdout))
+        code, sig = _exit(fields.get("ExitCode"))
+        return JobInfo(state=fields.get("JobState", ""), reason=fields.get("Reason"), exit_code=code, signal=sig)
+    why = _first_line(r.stderr) or "no answer"
+    try:
+        a = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Reason"])
+    except SlurmError:
+        a = None
+    if a is not None and a.returncode == 0 and a.stdout.strip():
+        state, exit_text, reason = (_first_line(a.stdout).split("|") + ["", ""])[:3]
+        code, sig = _exit(exit_text)
+        return JobInfo(state=state.split()[0], reason=reason or None, exit_code=code, signal=sig)
+    return JobInfo(state="", reason=f"the cluster no longer knows job {job_id} ({why})", known=False)
+
+
+def find(name: str) -> list[str]:
+    """Ids of live (pending or running) jobs named `name`; raises SlurmError when squeue cannot answer."""
+    r = _run(["squeue", "-h", "-n", name, "-o", "%i"])
+    if r.returncode != 0:
+        raise SlurmError(f"squeue: {_first_line(r.stderr) or r.returncode}")
+    return [line.strip() for line in r.stdout.splitlines() if line.strip()]
+
+
+def submit(script: Path, *, env: dict[str, str]) -> str:
+    """`sbatch --parsable SCRIPT`: the job id."""
+    r = _run(["sbatch", "--parsable", str(script)], env=env)
+    if r.returncode != 0:
+        raise SlurmError(f"sbatch refused the job: {_first_line(r.stderr) or r.returncode}")
+    job = _first_line(r.stdout).split(";")[0]  # "id" or "id;cluster"
+    if not job.isdigit():
+        raise SlurmError(f"sbatch answered {job!r}, not a job id")
+    return job
+
+
+def cancel(job_id: str, *, signal: str | None = None) -> None:
+    """`scancel` (with `--signal=SIG --full`: the batch script as well as its steps). Never raises."""
+    argv = ["scancel", job_id] if signal is None else ["scancel", f"--signal={signal}", "--full", job_id]
+    try:
+        _run(argv)
+    except SlurmError:
+        pass
+
+
+def job_name(run_id: str, stage: str, proc_id: int) -> str:
+    """The name a stage's job is submitted under: unique per start, found again after a crash."""
+    return f"eagle3-{stage}-{run_id}-{proc_id}"
+
+
+def _command(argv: list[str], cfg: StageConfig) -> str:
+    """The script's command: `exec argv` on one node; on several, `srun` starts argv once per node, with
+    torchrun's rendezvous taken from the allocation (c10d on the first node, the job id as its id)."""
+    if cfg.nodes == 1:
+        return "exec " + shlex.join(argv)
+    i = next((k for k, a in enumerate(argv) if a.endswith(TORCHRUN[0]) or a == TORCHRUN[1]), None)
+    if i is None:
+        return f"exec srun --nodes={cfg.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 " + shlex.join(argv)
+    head, rest = argv[: i + 1], [a for a in argv[i + 1:] if a != "--standalone"]
+    rdzv = ('--nnodes="$SLURM_NNODES" --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d '
+            '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"')
+    return ('MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+            "MASTER_PORT=${MASTER_PORT:-29500}\n"
+            f"exec srun --nodes={cfg.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+            f"{shlex.join(head)} {rdzv} {shlex.join(rest)}")
+
+
+def batch_script(*, name: str, argv: list[str], cfg: StageConfig, slurm: SlurmConfig, log: Path, cwd: Path) -> str:
+    """The generated batch script: the job's shape as #SBATCH lines, then the stage's command."""
+    opts = [f"--job-name={name}", f"--output={log}", "--open-mode=append", f"--chdir={cwd}", f"--nodes={cfg.nodes}",
+            "--ntasks-per-node=1", f"--cpus-per-task={cfg.cpus_per_task}"]
+    if cfg.gpus_per_node:
+        opts.append(f"--gres=gpu:{cfg.gpus_per_node}")
+    for flag, value in (("--mem", cfg.mem), ("--partition", slurm.partition), ("--account", slurm.account),
+                        ("--qos", slurm.qos), ("--time", slurm.time)):
+        if value:
+            opts.append(f"{flag}={value}")
+    opts += slurm.extra_args
+    lines = ["#!/bin/bash", f"# eagle3: the {name.split('-')[1]} stage as a Slurm job (generated; edits are overwritten)"]
+    lines += [f"#SBATCH {o}" for o in opts]
+    lines += ["export PYTHONUNBUFFERED=1", _command(argv, cfg), ""]
+    return "\n".join(lines)
+
+
+def write_script(directory: Path, name: str, text: str) -> Path:
+    """The script under the state directory (kept: what ran is readable afterwards)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.sh"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,193 @@
+"""Stages as Slurm jobs, against a real one-node cluster on this host (tests/slurm/cluster.sh: Debian's
+slurm-wlm with four fake GPUs). Skipped, with the reason, where the cluster cannot start (not root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.controller import Controller
+from tests.conftest import FIXTURES, ROOT, eagle3, fixture_argv, shared_dir, status_json, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+CONF = "/tmp/eagle3-slurm/slurm.conf"
+
+
+@pytest.fixture(scope="session")
+def _cluster_up(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("the one-node Slurm cluster needs root (it installs slurm-wlm and starts slurmctld/slurmd)")
+    from filelock import FileLock
+
+    with FileLock(str(shared_dir(tmp_path_factory, "slurm-cluster.lock"))):
+        r = subprocess.run([str(CLUSTER), "up"], capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        pytest.skip(f"the test Slurm cluster did not start: {r.stderr.strip()[-400:]}")
+    return CONF
+
+
+@pytest.fixture
+def cluster(_cluster_up, monkeypatch):
+    """SLURM_CONF for this test and what it starts; jobs left by the test are cancelled after it."""
+    monkeypatch.setenv("SLURM_CONF", _cluster_up)
+    tag = uuid.uuid4().hex[:8]
+    yield tag
+    subprocess.run(["scancel", "--name", f"blocker-{tag}"], capture_output=True)
+
+
+def slurm_ws(tmp_path: Path, stages: dict[str, tuple[list[str], str]], extra: str = "") -> Path:
+    """A workspace whose stages run as Slurm jobs: {stage: (argv, extra TOML lines)}."""
+    parts = ["[monitor]\ntick_s = 0.5\nfake_gpus = 4\n", extra]
+    for name, (argv, more) in stages.items():
+        parts.append(f'[stages.{name}]\nexecutor = "slurm"\nargv = {json.dumps(argv)}\n{more}\n')
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text("\n".join(parts))
+    return cfg
+
+
+def squeue(name: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-n", name, "-o", "%i|%T"], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if line.strip()]
+
+
+def job_field(job: str, key: str) -> str | None:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    m = re.search(rf"\b{key}=(\S*)", out)
+    return m.group(1) if m else None
+
+
+def blocker(tag: str, gpus: int = 4) -> str:
+    """A job holding the cluster's GPUs."""
+    out = subprocess.run(["sbatch", "--parsable", f"--job-name=blocker-{tag}", f"--gres=gpu:{gpus}", "--output=/dev/null",
+                          "--wrap", "sleep 300"], capture_output=True, text=True, check=True)
+    job = out.stdout.strip()
+    wait_for(lambda: job_field(job, "JobState") == "RUNNING", timeout=30, what="the blocker to run")
+    return job
+
+
+def test_queued_while_the_gpus_are_held_then_running_then_stopped_by_scancel(cluster, tmp_path):
+    cfg = slurm_ws(tmp_path, {"server": (fixture_argv("sleeper.py"), "gpus_per_node = 2")})
+    held = blocker(cluster)
+    with Controller.open(str(cfg)) as ctl:
+        row = ctl.start("server")
+    assert row["state"] == "queued" and row["job_id"], row
+    st = wait_for(lambda: (s := status_json(cfg))["stages"]["server"]["reason"] and "Resources" in
+                  s["stages"]["server"]["reason"] and s, timeout=30, what="Slurm's reason for the wait")
+    server = st["stages"]["server"]
+    assert server["state"] == "queued" and server["job"] == row["job_id"] and server["pid"] is None
+    assert server["verdict"] == "starting" and not server["stuck"], server
+    assert "waiting for its allocation, not a stall" in server["reasons"][0]
+    script = (cfg.parent / ".eagle3" / "slurm" / f"{row['job_name']}.sh").read_text()
+    assert "#SBATCH --gres=gpu:2" in script and "#SBATCH --output=" in script
+
+    subprocess.run(["scancel", held], check=True)
+    wait_for(lambda: status_json(cfg)["stages"]["server"]["state"] == "running", timeout=60, what="the job to run")
+    wait_for(lambda: "sleeping" in (cfg.parent / ".eagle3" / "logs" / "server.log").read_text(errors="replace"),
+             timeout=30, what="the job's output in the stage log")
+    assert eagle3("stop", "server", "--grace", "5", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
+    st = status_json(cfg)["stages"]["server"]
+    assert st["state"] == "stopped" and st["verdict"] == "stopped", st
+    assert job_field(row["job_id"], "JobState") in ("CANCELLED", "FAILED", "COMPLETED")
+    assert squeue(row["job_name"]) and all(not line.endswith(("RUNNING", "PENDING")) for line in squeue(row["job_name"]))
+
+
+def test_a_failing_job_is_dead_with_its_exit_code_and_slurms_reason(cluster, tmp_path):
+    cfg = slurm_ws(tmp_path, {"extract": (fixture_argv("exit3.py"), "")})
+    with Controller.open(str(cfg)) as ctl:
+        row = ctl.start("extract")
+    st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["state"] == "exited" and s, timeout=60,
+                  what="the job to end")
+    assert st["exit_code"] == 3 and st["job"] == row["job_id"]
+    assert st["reason"] == "Slurm: FAILED (NonZeroExitCode), exit code 3", st["reason"]
+    st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "dead" and s, timeout=30,
+                  what="the verdict")
+    assert "exited with code 3; its log ends: about to exit 3" in st["reasons"][0], st["reasons"]
+
+
+def test_a_job_the_cluster_no_longer_knows_is_unknown_never_running(cluster, tmp_path):
+    cfg = slurm_ws(tmp_path, {"extract": (fixture_argv("sleeper.py"), "")})
+    with Controller.open(str(cfg)) as ctl:
+        row = ctl.start("extract")
+        ctl.store.update_proc(row["id"], job_id="987654")  # an id this cluster never issued
+    st = status_json(cfg)["stages"]["extract"]
+    assert st["state"] == "unknown" and "no longer knows job 987654" in st["reason"], st
+    subprocess.run(["scancel", row["job_id"]], check=True)
+
+
+def test_kill_9_of_serve_and_adoption_without_a_resubmission(cluster, tmp_path):
+    cfg = slurm_ws(tmp_path, {"train": (fixture_argv("sleeper.py"), "gpus_per_node = 1")})
+    env = {**os.environ, "SLURM_CONF": CONF}
+    svc = subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert eagle3("start", "train", "--force", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
+        job = wait_for(lambda: (s := status_json(cfg)["stages"]["train"])["state"] == "running" and s["job"],
+                       timeout=60, what="the job to run")
+        os.killpg(svc.pid, signal.SIGKILL)
+        svc.wait()
+        svc = subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: status_json(cfg)["monitor"] == "running", timeout=30, what="serve to start again")
+        time.sleep(1.5)  # three ticks of the adopting service
+        st = status_json(cfg)["stages"]["train"]
+        assert st["state"] == "running" and st["job"] == job
+        name = Controller.open(str(cfg)).store.latest_proc("train")["job_name"]
+        assert len(squeue(name)) == 1, "adopted, never submitted again"
+
+        # Died between recording the job's name and sbatch's answer: the job is found by its name.
+        with Controller.open(str(cfg)) as ctl:
+            ctl.store.update_proc(ctl.store.latest_proc("train")["id"], job_id=None)
+        wait_for(lambda: status_json(cfg)["stages"]["train"]["job"] == job, timeout=10, what="the job found by name")
+        assert len(squeue(name)) == 1
+    finally:
+        if svc.poll() is None:
+            svc.send_signal(signal.SIGTERM)
+            svc.wait(timeout=30)
+        eagle3("stop", "--all", "--grace", "2", "--config", str(cfg), env={"SLURM_CONF": CONF})
+
+
+def test_the_toy_pipelines_handoff_with_jobs_submits_training_exactly_once(cluster, tmp_path):
+    from pipeline.toy.demo_workspace import write_dataset, write_demo_workspace
+
+    demo = write_demo_workspace(tmp_path / "ws")
+    write_dataset(demo.parent / "data.jsonl", 40)
+    text = demo.read_text().replace("tick_s = 1\n", "tick_s = 0.5\n").replace("fake_gpus = 2", "fake_gpus = 4")
+    text = re.sub(r"(\[stages\.(server|extract)\]\n)", r'\1executor = "slurm"\n', text)
+    stand_in = [sys.executable, str(FIXTURES / "fake_train.py"), str(tmp_path / "ws" / "ckpt")]
+    text = re.sub(r"(\[stages\.train\]\n)argv = \[.*?\]\n", lambda m: m.group(1) + 'executor = "slurm"\ngpus_per_node = 2\n'
+                  f"argv = {json.dumps(stand_in)}\n", text, flags=re.S)
+    demo.write_text(text)
+    env = {**os.environ, "SLURM_CONF": CONF}
+    for args in (["start", "server"], ["start", "extract"], ["autostart", "on"]):
+        r = eagle3(*args, "--config", str(demo), env={"SLURM_CONF": CONF})
+        assert r.returncode == 0, (args, r.stderr)
+    svc = subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--config", str(demo)], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        st = wait_for(lambda: (s := status_json(demo))["autostart"] in ("training-done", "training-failed", "failed")
+                      and s, timeout=180, interval=0.5, what="the handoff to finish training")
+    finally:
+        svc.send_signal(signal.SIGTERM)
+        out = svc.communicate(timeout=60)[0]
+        eagle3("stop", "--all", "--grace", "2", "--config", str(demo), env={"SLURM_CONF": CONF})
+    assert st["autostart"] == "training-done", (st["autostart_reason"], out[-2000:])
+    assert st["stages"]["extract"]["verdict"] == "done" and st["stages"]["server"]["state"] == "stopped"
+    assert "the server's Slurm job" in out and "has left the queue" in out, out[-3000:]
+    conn = sqlite3.connect(demo.parent / ".eagle3" / "state.sqlite")
+    trains = conn.execute("SELECT job_id, job_name FROM stage_procs WHERE stage = 'train'").fetchall()
+    conn.close()
+    assert len(trains) == 1 and trains[0][0], trains
+    assert len((tmp_path / "ws" / "ckpt" / "launches.txt").read_text().splitlines()) == 1
+    assert job_field(trains[0][0], "TresPerNode") == "gres:gpu:2"  # submitted with --gres=gpu:2
+    assert st["stages"]["train"]["job"] == trains[0][0] and st["stages"]["train"]["exit_code"] == 0
