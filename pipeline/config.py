@@ -49,6 +49,8 @@ class StageConfig(_Section):
     gpus_per_node: int = Field(default=0, ge=0, description="Slurm: GPUs per node (`--gres=gpu:N`).")
     cpus_per_task: int = Field(default=1, ge=1, description="Slurm: CPUs for the stage's one task per node.")
     mem: str | None = Field(default=None, description='Slurm: memory per node, e.g. "64G" (unset: the partition\'s default).')
+    slurm_args: list[str] = Field(default_factory=list, description='Slurm: more sbatch options for this stage only, '
+                                  'e.g. ["--nodelist=gpu-017"] to put the server and extraction on one node.')
 
     @field_validator("progress_regex")
     @classmethod

@@ -43,7 +43,22 @@ def problems(ws: Workspace, *, path_env: str | None = None) -> list[str]:
     out += _data_exists(ws)
     out += _commands(ws, path_env or SERVICE_PATH)
     out += slurm_problems(ws)
+    out += _state_on_local_disk(ws)
     return out
+
+
+def _state_on_local_disk(ws: Workspace) -> list[str]:
+    """The store uses SQLite's WAL mode, which needs every process using it on one host: not on NFS."""
+    from pipeline.manifest import FORCE_NETWORK_ENV, NETWORK_FS, filesystem_type
+
+    where = ws.state_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    kind = filesystem_type(where)
+    if kind not in NETWORK_FS or os.environ.get(FORCE_NETWORK_ENV) == "0":
+        return []
+    return [f"{ws.path.name}: state.dir: {ws.state_dir} is on {kind}, shared across hosts; the store needs a local "
+            'disk (SQLite WAL): set [state] dir = "/var/lib/eagle3/<run>" or another local path']
 
 
 def slurm_problems(ws: Workspace) -> list[str]:

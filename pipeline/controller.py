@@ -88,6 +88,8 @@ class Controller:
         proc = self.store.latest_proc("server")
         if not proc or StageState(proc["state"]) not in MAYBE_ALIVE_STATES:
             return
+        if proc.get("executor") == "slurm" and self.ws.stage("train").executor == "slurm":
+            return  # two jobs: Slurm gives each its own GPUs
         server, train = set(self.ws.stage("server").gpus), set(self.ws.stage("train").gpus)
         if server and train and not server & train:
             return

@@ -24,6 +24,41 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
 
 
+# Filesystems a job on another host may share with the controller. SQLite's WAL mode needs every
+# process using the database on one host (its -shm index is shared memory); on these the
+# manifest uses a rollback journal, which takes POSIX locks the network filesystem carries.
+NETWORK_FS = ("nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "gpfs", "beegfs", "ceph", "glusterfs", "9p",
+              "fuse.sshfs", "fuse.glusterfs", "fuse.ceph", "fuse.juicefs", "afs", "pvfs2", "orangefs", "wekafs")
+FORCE_NETWORK_ENV = "EAGLE3_NETWORK_FS"  # "1": treat every directory as shared across hosts (tests, odd mounts)
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem holding `path` (the longest mount point above it in /proc/mounts)."""
+    target, best, kind = str(Path(path).resolve()), -1, None
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), parts[2]
+    return kind
+
+
+def shared_across_hosts(directory: Path) -> bool:
+    """True where a writer and a reader may sit on different hosts (a network filesystem)."""
+    import os
+
+    if os.environ.get(FORCE_NETWORK_ENV) == "1":
+        return True
+    return (filesystem_type(directory) or "") in NETWORK_FS
+
+
 def open_readonly(path: Path) -> sqlite3.Connection:
     """A read-only connection that never creates the file."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
@@ -101,10 +136,15 @@ class Manifest:
         self.path = Path(out_dir) / MANIFEST_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(str(self.path), isolation_level=None, timeout=30.0)
-        self.conn.execute("PRAGMA journal_mode = WAL")
-        # Each sample's file is fsync-ed before its row is written; a row lost to a power
-        # cut only means that sample is extracted again on resume.
-        self.conn.execute("PRAGMA synchronous = NORMAL")
+        self.shared = shared_across_hosts(self.path.parent)
+        if self.shared:  # read from the controller's host: a rollback journal, each commit durable
+            self.conn.execute("PRAGMA journal_mode = DELETE")
+            self.conn.execute("PRAGMA synchronous = FULL")
+        else:
+            self.conn.execute("PRAGMA journal_mode = WAL")
+            # Each sample's file is fsync-ed before its row is written; a row lost to a power
+            # cut only means that sample is extracted again on resume.
+            self.conn.execute("PRAGMA synchronous = NORMAL")
         self.conn.executescript(SCHEMA)
         columns = {r[1] for r in self.conn.execute("PRAGMA table_info(samples)")}
         if "latency_s" not in columns:  # a manifest from before issue 14: resumed, it keeps its rows

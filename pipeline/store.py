@@ -80,6 +80,7 @@ def m006_stage_jobs(db: Database) -> None:
     db["stage_procs"].add_column("executor", str)
     db["stage_procs"].add_column("job_name", str)
     db["stage_procs"].add_column("job_id", str)
+    db["stage_procs"].add_column("job_host", str)  # where the job's batch script runs (Slurm's BatchHost)
 
 
 def _connect(path: Path) -> sqlite3.Connection:

@@ -22,6 +22,7 @@ from pipeline.observe.probes.process import group_processes, read_process
 from pipeline.observe.probes.progress import LogProgress, read_manifest, read_train_progress
 from pipeline.observe.probes.server import ServerProbe
 from pipeline.observe.verdict import Policy, VerdictRecord
+from pipeline.stages.slurm import is_local_host
 from pipeline.stages.states import StageState, has_ended
 from pipeline.stages.supervisor import Supervisor
 from pipeline.store import Store
@@ -161,6 +162,10 @@ class Sampler:
             reading = readings.get(key) if key else None
             if reading is None:
                 continue
+            if section == "gpus" and row.get("executor") == "slurm" and is_local_host(row.get("job_host")) is not True:
+                where = f"runs on {row['job_host']}" if row.get("job_host") else "has no node yet"
+                reading = Reading(t=reading.t, value=None, unknown=f"remote: Slurm job {row.get('job_id')} {where}; "
+                                                                   "NVML reads this host's GPUs only")
             obs[section] = reading.value
             if reading.unknown:
                 obs.setdefault("unknown", {})[section] = reading.unknown

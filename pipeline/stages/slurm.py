@@ -40,6 +40,7 @@ class JobInfo:
     exit_code: int | None = None
     signal: int | None = None
     known: bool = True  # False: the cluster no longer knows the job (or did not answer)
+    host: str | None = None  # the node running the batch script, once it runs
 
     @property
     def pending(self) -> bool:
@@ -112,7 +113,9 @@ def query(job_id: str) -> JobInfo:
     if r.returncode == 0 and "JobState=" in r.stdout:
         fields = dict(re.findall(r"(\w+)=(\S*)", r.stdout))
         code, sig = _exit(fields.get("ExitCode"))
-        return JobInfo(state=fields.get("JobState", ""), reason=fields.get("Reason"), exit_code=code, signal=sig)
+        host = fields.get("BatchHost")
+        return JobInfo(state=fields.get("JobState", ""), reason=fields.get("Reason"), exit_code=code, signal=sig,
+                       host=host if host and host != "(null)" else None)
     why = _first_line(r.stderr) or "no answer"
     try:
         a = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Reason"])
@@ -185,7 +188,7 @@ def batch_script(*, name: str, argv: list[str], cfg: StageConfig, slurm: SlurmCo
                         ("--qos", slurm.qos), ("--time", slurm.time)):
         if value:
             opts.append(f"{flag}={value}")
-    opts += slurm.extra_args
+    opts += [*slurm.extra_args, *cfg.slurm_args]
     lines = ["#!/bin/bash", f"# eagle3: the {name.split('-')[1]} stage as a Slurm job (generated; edits are overwritten)"]
     lines += [f"#SBATCH {o}" for o in opts]
     lines += ["export PYTHONUNBUFFERED=1", _command(argv, cfg), ""]
@@ -201,3 +204,13 @@ def write_script(directory: Path, name: str, text: str) -> Path:
     os.chmod(tmp, 0o755)
     os.replace(tmp, path)
     return path
+
+
+def is_local_host(host: str | None) -> bool | None:
+    """Whether a job's node is this host (None: not known yet)."""
+    import socket
+
+    if not host:
+        return None
+    name = socket.gethostname()
+    return host in (name, name.split(".")[0], "localhost", "127.0.0.1")

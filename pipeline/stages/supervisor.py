@@ -106,6 +106,9 @@ class Supervisor:
                 self.store.update_proc(proc["id"], reason=why)
                 proc["reason"] = why
         elif info.active:
+            if info.host and proc.get("job_host") != info.host:
+                self.store.update_proc(proc["id"], job_host=info.host)
+                proc["job_host"] = info.host
             if proc["state"] != StageState.RUNNING:
                 transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc['job_id']} is {info.state}")
         elif info.ended:

@@ -1,6 +1,7 @@
 """The deploy kit validates: example config, systemd unit, secrets template, Slack app manifest."""
 
 import configparser
+import os
 import re
 from pathlib import Path
 
@@ -109,3 +110,30 @@ def test_slack_manifest():
     assert m["settings"]["event_subscriptions"]["bot_events"] == ["app_home_opened"]
     assert m["features"]["app_home"]["home_tab_enabled"] is True
     assert m["display_information"]["name"] and m["features"]["bot_user"]["display_name"]
+
+
+def test_the_slurm_example_passes_check_config_against_a_cluster_that_answers(tmp_path, capsys, monkeypatch):
+    """With Slurm's client commands on PATH (stand-ins whose `scontrol ping` says UP) and its dataset
+    present, the cluster example is ok; its job commands are looked up on the nodes, not here."""
+    from bot.cli import main
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"sbatch": "exit 0", "squeue": "exit 0", "scancel": "exit 0",
+                       "scontrol": "echo 'Slurmctld(primary) at ctl is UP'"}.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    text = (DEPLOY / "eagle3.example-slurm.toml").read_text().replace('"/shared/', f'"{tmp_path}/shared/')
+    text = text.replace('"/var/lib/eagle3/', f'"{tmp_path}/state/')
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(text)
+    ws = load_workspace(cfg)
+    assert {ws.stage(s).executor for s in ("server", "extract", "train")} == {"slurm"} and ws.stage("train").nodes == 2
+    data = Path(ws.config.stages.extract.data)
+    data.parent.mkdir(parents=True)
+    data.write_text("")
+    assert main(["check-config", str(cfg)]) == 0, capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert main(["check-config", str(cfg)]) == 2
+    assert "not on PATH: sbatch, squeue, scontrol, scancel" in capsys.readouterr().err
