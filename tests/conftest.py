@@ -136,7 +136,7 @@ def build_once(path: Path, build) -> Path:
 def _build_toy_extraction(root: Path) -> None:
     from tests.toy import ToyServer, write_dataset
 
-    write_dataset(root / "d.jsonl", 300, lo=32, hi=256, seed=42)
+    write_dataset(root / "d.jsonl", 160, lo=32, hi=256, seed=42)
     server = ToyServer()
     try:
         res = eagle3("extract", "--server", server.url, "--data", str(root / "d.jsonl"), "--out", str(root / "out"),
@@ -149,7 +149,7 @@ def _build_toy_extraction(root: Path) -> None:
 
 @pytest.fixture(scope="session")
 def toy_extraction(tmp_path_factory):
-    """300 samples extracted from the toy server (3 aux + final) and its LM head; built once per run,
+    """160 samples extracted from the toy server (3 aux + final) and its LM head; built once per run,
     shared by every worker, read only (tests that change it copy it first)."""
     root = build_once(shared_dir(tmp_path_factory, "toy-extraction"), _build_toy_extraction)
     samples = [json.loads(line)["input_ids"] for line in (root / "d.jsonl").read_text().splitlines()]

@@ -81,8 +81,9 @@ def test_a_wedged_server_is_a_stall_although_its_requests_are_running(tmp_path):
     as a wedged SGLang does; with the GPUs idle and nothing completing, the verdict is stalled."""
     import re
 
-    assert eagle3("init", "--demo", str(tmp_path / "ws")).returncode == 0
-    cfg = tmp_path / "ws" / "eagle3.toml"
+    from pipeline.toy.demo_workspace import write_demo_workspace
+
+    cfg = write_demo_workspace(tmp_path / "ws")  # `init --demo`'s workspace, written in-process
     text = re.sub(r'("toy-server", "--port", "\d+")', r'\1, "--hang-after", "80"', cfg.read_text())
     cfg.write_text(text.replace("stall_floor_s = 30", "stall_floor_s = 8"))
     try:

@@ -133,12 +133,12 @@ def test_topk_targets_from_stock_server(tmp_path, capsys):
 
     server = ToyServer("--stock")
     try:
-        write_dataset(tmp_path / "d.jsonl", 40, lo=16, hi=64)
+        write_dataset(tmp_path / "d.jsonl", 24, lo=16, hi=64)
         assert eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out",
                       str(tmp_path / "out"), "--target-topk", "8").returncode == 0
     finally:
         server.stop()
-    assert eagle3("toy-server", "--export-target", str(tmp_path / "target")).returncode == 0
+    _toy_target(tmp_path)  # what `eagle3 toy-server --export-target` writes, in-process
     rc = train_main(["--data", str(tmp_path / "out"), "--target-model", str(tmp_path / "target"), "--out",
                      str(tmp_path / "c"), "--steps", "3", "--ttt", "2", "--draft-vocab", "200"])
     assert rc == 0
