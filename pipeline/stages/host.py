@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -91,6 +91,17 @@ class RealHost:
             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
         )
         return proc.pid
+
+
+@dataclass
+class StopResult:
+    """What `stop` did to one stage."""
+
+    stage: str
+    was_running: bool
+    escalated: bool = False  # SIGKILL was needed
+    survivors: list[Member] = field(default_factory=list)
+    note: str = ""
 
 
 def stage_env(ws: Workspace, stage: str) -> dict[str, str]:

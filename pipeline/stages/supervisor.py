@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
 
 from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import StageError
-from pipeline.stages import slurm
-from pipeline.stages.host import SIGKILL, SIGTERM, Member, RealHost, stage_env
+from pipeline.stages.host import SIGKILL, SIGTERM, RealHost, StopResult
+from pipeline.stages.slurm import job_name
+from pipeline.stages.slurm_executor import SlurmExecutor, is_job, launched, who
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState, transition
 from pipeline.store import Store
 
@@ -22,20 +22,7 @@ RUNNER_START_TIMEOUT_S = 10.0  # a row no live runner has started by then never 
 RUNNER_AWAIT_MAX_S = 60.0  # how long `start` waits for a live runner's pid
 KILL_WAIT_S = 5.0
 RUNNER_EXIT_WAIT_S = 2.0
-SUBMIT_WINDOW_S = 60.0  # a job row with no id and no job of its name after this was never submitted
-JOB_POLL_S = 0.5
 NO_RUNNER = "no runner took it up"  # a row whose service died before spawning its runner (not the command's fault)
-
-
-@dataclass
-class StopResult:
-    """What `stop` did to one stage."""
-
-    stage: str
-    was_running: bool
-    escalated: bool = False  # SIGKILL was needed
-    survivors: list[Member] = field(default_factory=list)
-    note: str = ""
 
 
 class Supervisor:
@@ -45,6 +32,7 @@ class Supervisor:
         self.ws = workspace
         self.store = store
         self.host = host or RealHost()
+        self.jobs = SlurmExecutor(workspace=workspace, store=store, host=self.host)  # stages run as Slurm jobs
 
     # --- verification -------------------------------------------------------
     def refresh(self) -> None:
@@ -56,7 +44,7 @@ class Supervisor:
 
     def _reconcile(self, proc: dict) -> None:
         if is_job(proc):
-            self._reconcile_job(proc)
+            self.jobs.reconcile(proc)
             return
         state = StageState(proc["state"])
         if proc["pid"] is None:
@@ -76,56 +64,6 @@ class Supervisor:
             if target != state:
                 transition(self.store, proc, target, ended_at=self.host.clock(),
                            reason="the stage ended while no runner was watching; exit status unknown")
-
-    def _reconcile_job(self, proc: dict) -> None:
-        """A Slurm job's row from what the cluster says: queued (with Slurm's reason), running, or ended
-        with its exit code and Slurm's reason. A job the cluster no longer knows is unknown, never running."""
-        if not proc["job_id"]:
-            try:  # submitted, but the service died before recording the id: find it by its name
-                found = slurm.find(proc["job_name"])
-            except slurm.SlurmError as exc:
-                self._job_unknown(proc, f"cannot ask Slurm about job {proc['job_name']}: {exc}")
-                return
-            if found:
-                self.store.update_proc(proc["id"], job_id=found[0])
-                proc["job_id"] = found[0]
-            else:
-                if self.host.clock() - (proc["started_at"] or 0) >= SUBMIT_WINDOW_S:
-                    transition(self.store, proc, StageState.EXITED, ended_at=self.host.clock(),
-                               reason=f"never started: no Slurm job named {proc['job_name']} (the submission "
-                                      "did not reach the cluster)")
-                return
-        info = slurm.query(proc["job_id"])
-        if not info.known:
-            self._job_unknown(proc, info.reason or "the cluster does not answer")
-        elif info.pending:
-            why = f"queued: Slurm job {proc['job_id']} is {info.state} ({info.reason or 'no reason given'})"
-            if proc["state"] != StageState.QUEUED:
-                transition(self.store, proc, StageState.QUEUED, reason=why)
-            elif proc["reason"] != why:  # Slurm's reason changes while it waits (None → Priority → Resources)
-                self.store.update_proc(proc["id"], reason=why)
-                proc["reason"] = why
-        elif info.active:
-            if info.host and proc.get("job_host") != info.host:
-                self.store.update_proc(proc["id"], job_host=info.host)
-                proc["job_host"] = info.host
-            if proc["state"] != StageState.RUNNING:
-                transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc['job_id']} is {info.state}")
-        elif info.ended:
-            target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
-            transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code,
-                       signal=info.signal, reason=info.describe())
-            if proc["stage"] == "train" and proc["run_id"] == self.store.current_run():
-                self.store.close_run(proc["run_id"], reason=f"training {target}")
-        else:
-            self._job_unknown(proc, f"Slurm job {proc['job_id']} is in state {info.state or '?'}")
-
-    def _job_unknown(self, proc: dict, why: str) -> None:
-        if proc["state"] != StageState.UNKNOWN:
-            transition(self.store, proc, StageState.UNKNOWN, reason=why)
-        elif proc["reason"] != why:
-            self.store.update_proc(proc["id"], reason=why)
-            proc["reason"] = why
 
     def _runner_alive(self, proc: dict) -> bool:
         return self.host.identity(proc["runner_pid"], proc["runner_create_time"]) == "alive"
@@ -177,37 +115,15 @@ class Supervisor:
                 "stop_requested": 0, "executor": cfg.executor,
             })
             if on_slurm:  # the submission is recorded (by the job's name) before sbatch is run
-                self.store.update_proc(proc_id, job_name=slurm.job_name(run_id, stage, proc_id))
+                self.store.update_proc(proc_id, job_name=job_name(run_id, stage, proc_id))
             self.store.add_event(kind="stage-start-requested", run_id=run_id, stage=stage, data={"argv": argv})
         if on_slurm:
-            return self._submit(stage, proc_id)
+            return self.jobs.submit(stage, proc_id)
         runner_argv = [sys.executable, "-m", "pipeline.stages.runner", "--config", str(self.ws.path),
                        "--stage", stage, "--proc-id", str(proc_id)]
         runner_pid = self.host.spawn_detached(runner_argv, cwd=str(self.ws.root))
         self.store.update_proc(proc_id, runner_pid=runner_pid, runner_create_time=self.host.create_time(runner_pid))
         return self._await_pid(proc_id)
-
-    def _submit(self, stage: str, proc_id: int) -> dict:
-        """sbatch the stage's generated script; the row gets the job id, then the job's state."""
-        proc = self.store.proc(proc_id)
-        cfg = self.ws.stage(stage)
-        log = self.ws.log_path(stage)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        text = slurm.batch_script(name=proc["job_name"], argv=cfg.argv, cfg=cfg, slurm=self.ws.config.slurm, log=log,
-                                  cwd=self.ws.resolve(cfg.cwd) or self.ws.root)
-        script = slurm.write_script(self.ws.state_dir / "slurm", proc["job_name"], text)
-        env = stage_env(self.ws, stage)  # sbatch exports it to the job: ours without the Slack secrets
-        try:
-            job = slurm.submit(script, env=env)
-        except slurm.SlurmError as exc:
-            transition(self.store, proc, StageState.EXITED, ended_at=self.host.clock(), reason=f"never started: {exc}")
-            raise StageError(f"{stage}: {exc}") from None
-        self.store.update_proc(proc_id, job_id=job)
-        self.store.add_event(kind="slurm-submitted", run_id=proc["run_id"], stage=stage,
-                             data={"job_id": job, "job_name": proc["job_name"], "script": str(script)})
-        proc = self.store.proc(proc_id)
-        self._reconcile_job(proc)
-        return self.store.proc(proc_id)
 
     def _await_pid(self, proc_id: int) -> dict:
         """Wait for the runner to report the stage's pid; a runner that dies first (or a slow one
@@ -229,7 +145,7 @@ class Supervisor:
         if not proc or StageState(proc["state"]) not in MAYBE_ALIVE_STATES:
             return StopResult(stage=stage, was_running=False, note="not running")
         if is_job(proc):
-            return self._stop_job(proc, grace_s=grace_s)
+            return self.jobs.stop(proc, grace_s=grace_s)
         if proc["pid"] is not None and self.host.identity(proc["pid"], proc["create_time"]) == "unverifiable":
             raise StageError(f"{stage}: pid {proc['pid']} cannot be verified as the stage (permission denied); "
                              "not signalling it — stop it by hand")
@@ -250,39 +166,6 @@ class Supervisor:
             result.survivors = self.host.members(pgid, proc["create_time"])
         self._await_exit_record(proc)
         return result
-
-    def _stop_job(self, proc: dict, *, grace_s: float) -> StopResult:
-        """scancel --signal=TERM --full (the batch script and its steps), the grace, then scancel; a
-        pending job is cancelled at once. Stopped once Slurm reports the job ended."""
-        self.store.update_proc(proc["id"], stop_requested=1)
-        proc["stop_requested"] = 1
-        self.store.add_event(kind="stop-requested", run_id=proc["run_id"], stage=proc["stage"],
-                             data={"grace_s": grace_s, "job_id": proc["job_id"]})
-        result = StopResult(stage=proc["stage"], was_running=True)
-        if not proc["job_id"]:
-            self._reconcile_job(proc)  # found by its name, or closed as never submitted
-        if proc["job_id"]:
-            if proc["state"] == StageState.QUEUED:
-                slurm.cancel(proc["job_id"])
-            else:
-                slurm.cancel(proc["job_id"], signal="TERM")
-                if not self._wait_job(proc, grace_s):
-                    result.escalated = True
-                    slurm.cancel(proc["job_id"])
-            if not self._wait_job(proc, KILL_WAIT_S + 30.0):
-                result.note = f"Slurm job {proc['job_id']} has not ended yet; scancel was sent"
-        self._reconcile_job(proc)
-        return result
-
-    def _wait_job(self, proc: dict, timeout_s: float) -> bool:
-        deadline = self.host.clock() + timeout_s
-        while True:
-            info = slurm.query(proc["job_id"])
-            if info.ended or not info.known:
-                return True
-            if self.host.clock() >= deadline:
-                return False
-            self.host.sleep(JOB_POLL_S)
 
     def _signal_all(self, pgid: int, since: float, sig: int) -> None:
         self.host.kill(pgid, sig, group=True)
@@ -351,16 +234,5 @@ def _describe(returncode: int) -> str:
     return f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}"
 
 
-def is_job(row: dict) -> bool:
-    """The row is a stage run by Slurm (not the local runner)."""
-    return row.get("executor") == "slurm"
 
-
-def launched(row: dict) -> bool:
-    """The row's stage was handed to something that runs it: a pid, or a Slurm job id."""
-    return row["pid"] is not None or bool(row.get("job_id"))
-
-
-def who(row: dict) -> str:
-    """`pid 123` or `Slurm job 45`."""
-    return f"Slurm job {row['job_id']}" if is_job(row) else f"pid {row['pid']}"
+__all__ = ["StopResult", "Supervisor", "claim_row", "record_exit", "is_job", "launched", "who"]

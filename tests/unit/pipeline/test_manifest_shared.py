@@ -17,13 +17,14 @@ from pipeline.manifest import (
     shared_across_hosts,
     summarize,
 )
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT
 
 WRITER = textwrap.dedent("""
     import sys, time
     from pipeline.manifest import Manifest
     m = Manifest(sys.argv[1])
     m.set_meta({"samples_total": 200, "tokens_total": 200 * 64})
+    print("ready", flush=True)
     for i in range(200):
         m.record(idx=i, sample_id=None, status="done", tokens=64, nbytes=1, attempts=1, error=None, now=time.time(),
                  latency_s=0.01)
@@ -46,7 +47,7 @@ def test_a_reader_in_another_process_sees_every_commit_in_order(tmp_path, shared
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               text=True)
     seen = []
-    wait_for(lambda: (tmp_path / MANIFEST_NAME).exists(), timeout=20, what="the manifest")
+    assert writer.stdout.readline().strip() == "ready"  # the schema exists: from here every read must succeed
     while writer.poll() is None:
         try:
             seen.append(summarize(tmp_path)["done"])

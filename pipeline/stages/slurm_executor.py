@@ -1,0 +1,147 @@
+"""The Slurm executor: a stage as a Slurm job, behind the supervisor's verbs (start, refresh, stop).
+
+The supervisor keeps one row per start in the store whichever executor runs it; for a job the
+row's identity is the job's id (and, before sbatch answers, its name), as (pid, create_time) is a
+local process's. Supervision, verdicts, the handoff, Slack and `status --json` read the row.
+"""
+
+from __future__ import annotations
+
+from pipeline.config import Workspace
+from pipeline.errors import StageError
+from pipeline.stages import slurm
+from pipeline.stages.host import StopResult, stage_env
+from pipeline.stages.states import StageState, transition
+from pipeline.store import Store
+
+SUBMIT_WINDOW_S = 60.0  # a job row with no id and no job of its name after this was never submitted
+JOB_POLL_S = 0.5
+JOB_END_WAIT_S = 35.0  # after scancel: Slurm's KillWait (30 s by default) and the epilog
+
+
+class SlurmExecutor:
+    """Submits, follows and cancels the jobs of one workspace's Slurm stages."""
+
+    def __init__(self, *, workspace: Workspace, store: Store, host) -> None:
+        self.ws, self.store, self.host = workspace, store, host
+
+    def reconcile(self, proc: dict) -> None:
+        """A Slurm job's row from what the cluster says: queued (with Slurm's reason), running, or ended
+        with its exit code and Slurm's reason. A job the cluster no longer knows is unknown, never running."""
+        if not proc["job_id"]:
+            try:  # submitted, but the service died before recording the id: find it by its name
+                found = slurm.find(proc["job_name"])
+            except slurm.SlurmError as exc:
+                self._unknown(proc, f"cannot ask Slurm about job {proc['job_name']}: {exc}")
+                return
+            if found:
+                self.store.update_proc(proc["id"], job_id=found[0])
+                proc["job_id"] = found[0]
+            else:
+                if self.host.clock() - (proc["started_at"] or 0) >= SUBMIT_WINDOW_S:
+                    transition(self.store, proc, StageState.EXITED, ended_at=self.host.clock(),
+                               reason=f"never started: no Slurm job named {proc['job_name']} (the submission "
+                                      "did not reach the cluster)")
+                return
+        info = slurm.query(proc["job_id"])
+        if not info.known:
+            self._unknown(proc, info.reason or "the cluster does not answer")
+        elif info.pending:
+            why = f"queued: Slurm job {proc['job_id']} is {info.state} ({info.reason or 'no reason given'})"
+            if proc["state"] != StageState.QUEUED:
+                transition(self.store, proc, StageState.QUEUED, reason=why)
+            elif proc["reason"] != why:  # Slurm's reason changes while it waits (None → Priority → Resources)
+                self.store.update_proc(proc["id"], reason=why)
+                proc["reason"] = why
+        elif info.active:
+            if info.host and proc.get("job_host") != info.host:
+                self.store.update_proc(proc["id"], job_host=info.host)
+                proc["job_host"] = info.host
+            if proc["state"] != StageState.RUNNING:
+                transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc['job_id']} is {info.state}")
+        elif info.ended:
+            target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
+            transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code,
+                       signal=info.signal, reason=info.describe())
+            if proc["stage"] == "train" and proc["run_id"] == self.store.current_run():
+                self.store.close_run(proc["run_id"], reason=f"training {target}")
+        else:
+            self._unknown(proc, f"Slurm job {proc['job_id']} is in state {info.state or '?'}")
+
+    def _unknown(self, proc: dict, why: str) -> None:
+        if proc["state"] != StageState.UNKNOWN:
+            transition(self.store, proc, StageState.UNKNOWN, reason=why)
+        elif proc["reason"] != why:
+            self.store.update_proc(proc["id"], reason=why)
+            proc["reason"] = why
+
+    def submit(self, stage: str, proc_id: int) -> dict:
+        """sbatch the stage's generated script; the row gets the job id, then the job's state."""
+        proc = self.store.proc(proc_id)
+        cfg = self.ws.stage(stage)
+        log = self.ws.log_path(stage)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        text = slurm.batch_script(name=proc["job_name"], argv=cfg.argv, cfg=cfg, slurm=self.ws.config.slurm, log=log,
+                                  cwd=self.ws.resolve(cfg.cwd) or self.ws.root)
+        script = slurm.write_script(self.ws.state_dir / "slurm", proc["job_name"], text)
+        env = stage_env(self.ws, stage)  # sbatch exports it to the job: ours without the Slack secrets
+        try:
+            job = slurm.submit(script, env=env)
+        except slurm.SlurmError as exc:
+            transition(self.store, proc, StageState.EXITED, ended_at=self.host.clock(), reason=f"never started: {exc}")
+            raise StageError(f"{stage}: {exc}") from None
+        self.store.update_proc(proc_id, job_id=job)
+        self.store.add_event(kind="slurm-submitted", run_id=proc["run_id"], stage=stage,
+                             data={"job_id": job, "job_name": proc["job_name"], "script": str(script)})
+        proc = self.store.proc(proc_id)
+        self.reconcile(proc)
+        return self.store.proc(proc_id)
+
+    def stop(self, proc: dict, *, grace_s: float) -> StopResult:
+        """scancel --signal=TERM --full (the batch script and its steps), the grace, then scancel; a
+        pending job is cancelled at once. Stopped once Slurm reports the job ended."""
+        self.store.update_proc(proc["id"], stop_requested=1)
+        proc["stop_requested"] = 1
+        self.store.add_event(kind="stop-requested", run_id=proc["run_id"], stage=proc["stage"],
+                             data={"grace_s": grace_s, "job_id": proc["job_id"]})
+        result = StopResult(stage=proc["stage"], was_running=True)
+        if not proc["job_id"]:
+            self.reconcile(proc)  # found by its name, or closed as never submitted
+        if proc["job_id"]:
+            if proc["state"] == StageState.QUEUED:
+                slurm.cancel(proc["job_id"])
+            else:
+                slurm.cancel(proc["job_id"], signal="TERM")
+                if not self._wait_job(proc, grace_s):
+                    result.escalated = True
+                    slurm.cancel(proc["job_id"])
+            if not self._wait_job(proc, JOB_END_WAIT_S):
+                result.note = f"Slurm job {proc['job_id']} has not ended yet; scancel was sent"
+        self.reconcile(proc)
+        return result
+
+    def _wait_job(self, proc: dict, timeout_s: float) -> bool:
+        deadline = self.host.clock() + timeout_s
+        while True:
+            info = slurm.query(proc["job_id"])
+            if info.ended or not info.known:
+                return True
+            if self.host.clock() >= deadline:
+                return False
+            self.host.sleep(JOB_POLL_S)
+
+
+def is_job(row: dict) -> bool:
+    """The row is a stage run by Slurm (not the local runner)."""
+    return row.get("executor") == "slurm"
+
+
+def launched(row: dict) -> bool:
+    """The row's stage was handed to something that runs it: a pid, or a Slurm job id."""
+    return row["pid"] is not None or bool(row.get("job_id"))
+
+
+def who(row: dict) -> str:
+    """`pid 123` or `Slurm job 45`."""
+    return f"Slurm job {row['job_id']}" if is_job(row) else f"pid {row['pid']}"
+
