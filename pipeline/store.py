@@ -215,9 +215,9 @@ class Store:
         rows = list(self.db["stage_procs"].rows_where("stage = ?", [stage], order_by="id desc", limit=1))
         return rows[0] if rows else None
 
-    def procs_after(self, stage: str, after_id: int = 0) -> list[dict]:
-        """A stage's process rows with an id above `after_id`, oldest first."""
-        return list(self.db["stage_procs"].rows_where("stage = ? AND id > ?", [stage, after_id], order_by="id"))
+    def procs(self, stage: str, *, after: int = 0) -> list[dict]:
+        """A stage's process rows with an id above `after`, oldest first."""
+        return list(self.db["stage_procs"].rows_where("stage = ? AND id > ?", [stage, after], order_by="id"))
 
     # --- observations ---------------------------------------------------------
     def add_observation(self, obs: dict, *, run_id: str | None) -> None:

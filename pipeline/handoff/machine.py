@@ -186,7 +186,7 @@ class Handoff:
     def _gpu_wait(self, state: dict) -> None:
         released, why = self._released(state)
         if released:
-            floor = max((p["id"] for p in self.store.procs_after("train")), default=0)
+            floor = max((p["id"] for p in self.store.procs("train")), default=0)
             self._set(LAUNCHING, why, train_floor=floor)
             return
         waited = self.clock() - (state.get("gpu_wait_since") or self.clock())
@@ -225,7 +225,7 @@ class Handoff:
         floor = state.get("train_floor") or 0
 
         def rows() -> list[dict]:
-            return self.store.procs_after("train", floor)
+            return self.store.procs("train", after=floor)
 
         # Rows above the floor are this handoff's launches (the row `start` inserts is the
         # idempotency record). One with a pid was launched. One without a pid is still being

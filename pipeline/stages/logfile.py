@@ -1,4 +1,4 @@
-"""Stage logs: size-capped rotation for the runner, and a cheap tail for readers."""
+"""Stage logs: size-capped rotation for the runner and for Slurm jobs' output, and a cheap tail for readers."""
 
 from __future__ import annotations
 
@@ -26,16 +26,39 @@ class RotatingLog:
 
     def _rotate(self) -> None:
         self._fh.close()
-        for i in range(self.keep, 0, -1):
-            src = self.path.with_name(f"{self.path.name}.{i - 1}") if i > 1 else self.path
-            if src.exists():
-                os.replace(src, self.path.with_name(f"{self.path.name}.{i}"))
+        _shift(self.path, self.keep)
+        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
         self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115
         self._size = 0
 
     def close(self) -> None:
         """Close the file."""
         self._fh.close()
+
+
+def _shift(path: Path, keep: int) -> None:
+    """path.1 … path.(keep-1) move up one (the oldest is dropped), making room for a new path.1."""
+    for i in range(keep, 1, -1):
+        src = path.with_name(f"{path.name}.{i - 1}")
+        if src.exists():
+            os.replace(src, path.with_name(f"{path.name}.{i}"))
+
+
+def rotate_in_place(path: Path, *, max_bytes: int, keep: int) -> bool:
+    """Rotate a log another program appends to (a Slurm job's `--open-mode=append` output): copy it to
+    path.1, then truncate it where it is, so the writer's next append lands at the new start. Lines
+    written between the copy and the truncation are lost (a few, on a busy log). True if rotated."""
+    import shutil
+
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+        _shift(path, keep)
+        shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+        os.truncate(path, 0)
+    except OSError:
+        return False
+    return True
 
 
 def tail_lines(path: Path, n: int, *, block: int = 65536) -> list[str]:

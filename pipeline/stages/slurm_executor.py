@@ -7,10 +7,13 @@ local process's. Supervision, verdicts, the handoff, Slack and `status --json` r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pipeline.config import Workspace
 from pipeline.errors import StageError
 from pipeline.stages import slurm
 from pipeline.stages.host import StopResult, stage_env
+from pipeline.stages.logfile import rotate_in_place
 from pipeline.stages.states import StageState, transition
 from pipeline.store import Store
 
@@ -59,6 +62,9 @@ class SlurmExecutor:
                 proc["job_host"] = info.host
             if proc["state"] != StageState.RUNNING:
                 transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc['job_id']} is {info.state}")
+            state = self.ws.config.state  # the job appends to the stage's log; it is rotated here, as the runner does
+            rotate_in_place(Path(proc["log"] or self.ws.log_path(proc["stage"])), max_bytes=state.log_max_bytes,
+                            keep=state.log_keep)
         elif info.ended:
             target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
             transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code,

@@ -23,3 +23,27 @@ def test_tail_lines(tmp_path):
     assert tail_lines(path, 3) == ["9997", "9998", "9999"]
     assert tail_lines(path, 3, block=7) == ["9997", "9998", "9999"]
     assert tail_lines(tmp_path / "missing", 3) == []
+
+
+def test_a_log_another_program_appends_to_is_rotated_in_place(tmp_path):
+    """A Slurm job's output (opened with O_APPEND by slurmstepd): copied to .1, truncated where it is;
+    the writer's next line lands at the start of the emptied file, the older ones in .1 … .keep."""
+    import os
+
+    from pipeline.stages.logfile import rotate_in_place
+
+    log = tmp_path / "train.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for round_ in range(4):
+            os.write(fd, f"round {round_}\n".encode() * 20)
+            assert rotate_in_place(log, max_bytes=100, keep=2)
+        os.write(fd, b"after\n")
+        assert not rotate_in_place(log, max_bytes=100, keep=2)  # under the cap: left alone
+    finally:
+        os.close(fd)
+    assert log.read_bytes() == b"after\n"
+    assert (tmp_path / "train.log.1").read_text() == "round 3\n" * 20
+    assert (tmp_path / "train.log.2").read_text() == "round 2\n" * 20
+    assert not (tmp_path / "train.log.3").exists()
+    assert not rotate_in_place(tmp_path / "missing.log", max_bytes=1, keep=2)
