@@ -173,6 +173,28 @@ LONGEST_FIRST = (
 )
 
 
+SLURM_TESTS = ROOT / "tests" / "integration" / "test_slurm.py"
+SLURM_BOOTSTRAP = "EAGLE3_SLURM_BOOTSTRAP"
+
+
+def pytest_configure(config):
+    """As root, with the Slurm tests selected, start the test cluster (tests/slurm/cluster.sh up: apt-get
+    install when missing, then the daemons) in the background as the run begins, so no worker waits on
+    the install; the `cluster` fixture waits for its end. Workers inherit the status file's name."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.geteuid() != 0 or SLURM_BOOTSTRAP in os.environ:
+        return
+    args = [Path(a.split("::")[0]).resolve() for a in config.args] or [ROOT]
+    if not any(a == SLURM_TESTS or a in SLURM_TESTS.parents for a in args):
+        return
+    status = Path(f"/tmp/eagle3-slurm-bootstrap-{os.getpid()}")
+    status.unlink(missing_ok=True)
+    subprocess.Popen(["bash", "-c", '"$0" up > "$1.log" 2>&1; echo $? > "$1.tmp"; mv "$1.tmp" "$1"',
+                      str(ROOT / "tests" / "slurm" / "cluster.sh"), str(status)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+    os.environ[SLURM_BOOTSTRAP] = str(status)
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         return next((i for i, key in enumerate(LONGEST_FIRST) if key in item.nodeid), len(LONGEST_FIRST))

@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 
 from pipeline.controller import Controller
-from tests.conftest import FIXTURES, ROOT, eagle3, fixture_argv, shared_dir, status_json, wait_for
+from tests.conftest import (
+    FIXTURES,
+    ROOT,
+    SLURM_BOOTSTRAP,
+    eagle3,
+    fixture_argv,
+    shared_dir,
+    status_json,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
@@ -30,6 +39,10 @@ def _cluster_up(tmp_path_factory):
         pytest.skip("the one-node Slurm cluster needs root (it installs slurm-wlm and starts slurmctld/slurmd)")
     from filelock import FileLock
 
+    started = os.environ.get(SLURM_BOOTSTRAP)  # conftest started it as the run began: wait for its end
+    if started:
+        wait_for(lambda: Path(started).exists(), timeout=600, interval=0.5,
+                 what=f"tests/slurm/cluster.sh up (its output: {started}.log)")
     with FileLock(str(shared_dir(tmp_path_factory, "slurm-cluster.lock"))):
         r = subprocess.run([str(CLUSTER), "up"], capture_output=True, text=True, timeout=600)
     if r.returncode:
@@ -38,12 +51,18 @@ def _cluster_up(tmp_path_factory):
 
 
 @pytest.fixture
-def cluster(_cluster_up, monkeypatch):
-    """SLURM_CONF for this test and what it starts; jobs left by the test are cancelled after it."""
+def cluster(_cluster_up, monkeypatch, tmp_path):
+    """SLURM_CONF for this test; every job the test's workspaces submitted, and its blocker, is
+    cancelled after it (a failed test leaves nothing holding the cluster's GPUs)."""
     monkeypatch.setenv("SLURM_CONF", _cluster_up)
     tag = uuid.uuid4().hex[:8]
     yield tag
-    subprocess.run(["scancel", "--name", f"blocker-{tag}"], capture_output=True)
+    jobs = []
+    for db in tmp_path.glob("**/.eagle3/state.sqlite"):
+        conn = sqlite3.connect(db)
+        jobs += [r[0] for r in conn.execute("SELECT job_id FROM stage_procs WHERE job_id IS NOT NULL")]
+        conn.close()
+    subprocess.run(["scancel", "--name", f"blocker-{tag}", *jobs], capture_output=True)
 
 
 def slurm_ws(tmp_path: Path, stages: dict[str, tuple[list[str], str]], extra: str = "") -> Path:
@@ -67,32 +86,34 @@ def job_field(job: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def blocker(tag: str, gpus: int = 4) -> str:
-    """A job holding the cluster's GPUs."""
+def blocker(tag: str, gpus: int) -> str:
+    """A job holding `gpus` of the cluster's four GPUs."""
     out = subprocess.run(["sbatch", "--parsable", f"--job-name=blocker-{tag}", f"--gres=gpu:{gpus}", "--output=/dev/null",
                           "--wrap", "sleep 300"], capture_output=True, text=True, check=True)
     job = out.stdout.strip()
-    wait_for(lambda: job_field(job, "JobState") == "RUNNING", timeout=30, what="the blocker to run")
+    wait_for(lambda: job_field(job, "JobState") == "RUNNING", timeout=90, what="the blocker to run")
     return job
 
 
 def test_queued_while_the_gpus_are_held_then_running_then_stopped_by_scancel(cluster, tmp_path):
-    cfg = slurm_ws(tmp_path, {"server": (fixture_argv("sleeper.py"), "gpus_per_node = 2")})
-    held = blocker(cluster)
+    # the server wants all four GPUs; one is held (other tests' jobs may hold more, for a while)
+    cfg = slurm_ws(tmp_path, {"server": (fixture_argv("sleeper.py"), "gpus_per_node = 4")})
+    held = blocker(cluster, gpus=1)
     with Controller.open(str(cfg)) as ctl:
         row = ctl.start("server")
     assert row["state"] == "queued" and row["job_id"], row
-    st = wait_for(lambda: (s := status_json(cfg))["stages"]["server"]["reason"] and "Resources" in
-                  s["stages"]["server"]["reason"] and s, timeout=30, what="Slurm's reason for the wait")
+    st = wait_for(lambda: (s := status_json(cfg))["stages"]["server"]["reason"] and re.search(
+        r"is PENDING \((Resources|Priority)\)", s["stages"]["server"]["reason"]) and s, timeout=30,
+        what="Slurm's reason for the wait")
     server = st["stages"]["server"]
     assert server["state"] == "queued" and server["job"] == row["job_id"] and server["pid"] is None
     assert server["verdict"] == "starting" and not server["stuck"], server
     assert "waiting for its allocation, not a stall" in server["reasons"][0]
     script = (cfg.parent / ".eagle3" / "slurm" / f"{row['job_name']}.sh").read_text()
-    assert "#SBATCH --gres=gpu:2" in script and "#SBATCH --output=" in script
+    assert "#SBATCH --gres=gpu:4" in script and "#SBATCH --output=" in script
 
     subprocess.run(["scancel", held], check=True)
-    wait_for(lambda: status_json(cfg)["stages"]["server"]["state"] == "running", timeout=60, what="the job to run")
+    wait_for(lambda: status_json(cfg)["stages"]["server"]["state"] == "running", timeout=120, what="the job to run")
     wait_for(lambda: "sleeping" in (cfg.parent / ".eagle3" / "logs" / "server.log").read_text(errors="replace"),
              timeout=30, what="the job's output in the stage log")
     assert eagle3("stop", "server", "--grace", "5", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
