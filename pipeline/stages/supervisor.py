@@ -93,15 +93,16 @@ class Supervisor:
 
     # --- start ----------------------------------------------------------------
     def start(self, stage: str, *, only_if=None) -> dict | None:
-        """Start `stage` under a detached runner; returns its process row once it has a pid. With
+        """Start `stage` under a detached runner (or submit it as a Slurm job); returns its process row
+        once it has a pid (or a job id). With
         `only_if`, a check made in the same transaction as the row's insert: when it fails nothing is
         started and None is returned (the handoff's launch against a cancel that lands meanwhile)."""
         self.ws.require_filled(stage)
         self.refresh()
         proc = self.store.latest_proc(stage)
         if proc and StageState(proc["state"]) in MAYBE_ALIVE_STATES:
-            who = f"pid {proc['pid']}" if proc["pid"] is not None else "its process is being started"
-            raise StageError(f"{stage} is already {proc['state']} ({who}); see `eagle3 status`, "
+            held = who(proc) if launched(proc) else "its process is being started"
+            raise StageError(f"{stage} is already {proc['state']} ({held}); see `eagle3 status`, "
                              f"or stop it first with `eagle3 stop {stage}`")
         run_id = self.store.open_run()
         cfg = self.ws.stage(stage)
@@ -232,7 +233,6 @@ def record_exit(store: Store, proc_id: int, *, returncode: int, now: float, reas
 
 def _describe(returncode: int) -> str:
     return f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}"
-
 
 
 __all__ = ["StopResult", "Supervisor", "claim_row", "record_exit", "is_job", "launched", "who"]
