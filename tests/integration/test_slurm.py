@@ -40,9 +40,11 @@ def _cluster_up(tmp_path_factory):
     from filelock import FileLock
 
     started = os.environ.get(SLURM_BOOTSTRAP)  # conftest started it as the run began: wait for its end
-    if started:
-        wait_for(lambda: Path(started).exists(), timeout=600, interval=0.5,
-                 what=f"tests/slurm/cluster.sh up (its output: {started}.log)")
+    if started:  # within the first test's timeout: a slow install skips, saying so, rather than fails
+        try:
+            wait_for(lambda: Path(started).exists(), timeout=180, interval=0.5, what="tests/slurm/cluster.sh up")
+        except AssertionError:
+            pytest.skip(f"the test Slurm cluster was still starting after 180 s (its output: {started}.log)")
     with FileLock(str(shared_dir(tmp_path_factory, "slurm-cluster.lock"))):
         r = subprocess.run([str(CLUSTER), "up"], capture_output=True, text=True, timeout=600)
     if r.returncode:
@@ -114,8 +116,9 @@ def test_queued_while_the_gpus_are_held_then_running_then_stopped_by_scancel(clu
 
     subprocess.run(["scancel", held], check=True)
     wait_for(lambda: status_json(cfg)["stages"]["server"]["state"] == "running", timeout=120, what="the job to run")
-    wait_for(lambda: "sleeping" in (cfg.parent / ".eagle3" / "logs" / "server.log").read_text(errors="replace"),
-             timeout=30, what="the job's output in the stage log")
+    log = cfg.parent / ".eagle3" / "logs" / "server.log"  # slurmstepd opens it once the job runs
+    wait_for(lambda: log.exists() and "sleeping" in log.read_text(errors="replace"), timeout=30,
+             what="the job's output in the stage log")
     assert eagle3("stop", "server", "--grace", "5", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
     st = status_json(cfg)["stages"]["server"]
     assert st["state"] == "stopped" and st["verdict"] == "stopped", st
@@ -163,7 +166,8 @@ def test_kill_9_of_serve_and_adoption_without_a_resubmission(cluster, tmp_path):
         time.sleep(1.5)  # three ticks of the adopting service
         st = status_json(cfg)["stages"]["train"]
         assert st["state"] == "running" and st["job"] == job
-        name = Controller.open(str(cfg)).store.latest_proc("train")["job_name"]
+        with Controller.open(str(cfg)) as ctl:
+            name = ctl.store.latest_proc("train")["job_name"]
         assert len(squeue(name)) == 1, "adopted, never submitted again"
 
         # Died between recording the job's name and sbatch's answer: the job is found by its name.
