@@ -49,14 +49,14 @@ def problems(ws: Workspace, *, path_env: str | None = None) -> list[str]:
 
 def _state_on_local_disk(ws: Workspace) -> list[str]:
     """The store uses SQLite's WAL mode, which needs every process using it on one host: not on NFS."""
-    from pipeline.manifest import FORCE_NETWORK_ENV, NETWORK_FS, filesystem_type
+    from pipeline.manifest import filesystem_type, shared_across_hosts
 
     where = ws.state_dir
     while not where.exists() and where != where.parent:
         where = where.parent
-    kind = filesystem_type(where)
-    if kind not in NETWORK_FS or os.environ.get(FORCE_NETWORK_ENV) == "0":
+    if not shared_across_hosts(where):
         return []
+    kind = filesystem_type(where) or "a filesystem"
     return [f"{ws.path.name}: state.dir: {ws.state_dir} is on {kind}, shared across hosts; the store needs a local "
             'disk (SQLite WAL): set [state] dir = "/var/lib/eagle3/<run>" or another local path']
 

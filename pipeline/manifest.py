@@ -11,6 +11,7 @@ speculators' convention, the trainer applies the target's final norm).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -52,8 +53,6 @@ def filesystem_type(path: Path) -> str | None:
 
 def shared_across_hosts(directory: Path) -> bool:
     """True where a writer and a reader may sit on different hosts (a network filesystem)."""
-    import os
-
     if os.environ.get(FORCE_NETWORK_ENV) == "1":
         return True
     return (filesystem_type(directory) or "") in NETWORK_FS

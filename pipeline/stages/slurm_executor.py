@@ -14,7 +14,7 @@ from pipeline.errors import StageError
 from pipeline.stages import slurm
 from pipeline.stages.host import StopResult, stage_env
 from pipeline.stages.logfile import rotate_in_place
-from pipeline.stages.states import StageState, transition
+from pipeline.stages.states import StageState, close_run_after_training, transition
 from pipeline.store import Store
 
 SUBMIT_WINDOW_S = 60.0  # a job row with no id and no job of its name after this was never submitted
@@ -35,11 +35,14 @@ class SlurmExecutor:
             try:  # submitted, but the service died before recording the id: find it by its name
                 found = slurm.find(proc["job_name"])
             except slurm.SlurmError as exc:
-                self._unknown(proc, f"cannot ask Slurm about job {proc['job_name']}: {exc}")
+                transition(self.store, proc, StageState.UNKNOWN,
+                           reason=f"cannot ask Slurm about job {proc['job_name']}: {exc}")
                 return
             if found:
                 self.store.update_proc(proc["id"], job_id=found[0])
                 proc["job_id"] = found[0]
+                if proc["stop_requested"]:  # stopped while its id was unknown: the stop applies to it now
+                    slurm.cancel(found[0])
             else:
                 if self.host.clock() - (proc["started_at"] or 0) >= SUBMIT_WINDOW_S:
                     transition(self.store, proc, StageState.EXITED, ended_at=self.host.clock(),
@@ -48,20 +51,16 @@ class SlurmExecutor:
                 return
         info = slurm.query(proc["job_id"])
         if not info.known:
-            self._unknown(proc, info.reason or "the cluster does not answer")
+            transition(self.store, proc, StageState.UNKNOWN, reason=info.reason or "the cluster does not answer")
         elif info.pending:
-            why = f"queued: Slurm job {proc['job_id']} is {info.state} ({info.reason or 'no reason given'})"
-            if proc["state"] != StageState.QUEUED:
-                transition(self.store, proc, StageState.QUEUED, reason=why)
-            elif proc["reason"] != why:  # Slurm's reason changes while it waits (None → Priority → Resources)
-                self.store.update_proc(proc["id"], reason=why)
-                proc["reason"] = why
+            # Slurm's reason changes while the job waits (None → Priority → Resources)
+            transition(self.store, proc, StageState.QUEUED,
+                       reason=f"queued: Slurm job {proc['job_id']} is {info.state} ({info.reason or 'no reason given'})")
         elif info.active:
             if info.host and proc.get("job_host") != info.host:
                 self.store.update_proc(proc["id"], job_host=info.host)
                 proc["job_host"] = info.host
-            if proc["state"] != StageState.RUNNING:
-                transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc['job_id']} is {info.state}")
+            transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc['job_id']} is {info.state}")
             state = self.ws.config.state  # the job appends to the stage's log; it is rotated here, as the runner does
             rotate_in_place(Path(proc["log"] or self.ws.log_path(proc["stage"])), max_bytes=state.log_max_bytes,
                             keep=state.log_keep)
@@ -69,17 +68,10 @@ class SlurmExecutor:
             target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
             transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code,
                        signal=info.signal, reason=info.describe())
-            if proc["stage"] == "train" and proc["run_id"] == self.store.current_run():
-                self.store.close_run(proc["run_id"], reason=f"training {target}")
+            close_run_after_training(self.store, proc, target)
         else:
-            self._unknown(proc, f"Slurm job {proc['job_id']} is in state {info.state or '?'}")
-
-    def _unknown(self, proc: dict, why: str) -> None:
-        if proc["state"] != StageState.UNKNOWN:
-            transition(self.store, proc, StageState.UNKNOWN, reason=why)
-        elif proc["reason"] != why:
-            self.store.update_proc(proc["id"], reason=why)
-            proc["reason"] = why
+            transition(self.store, proc, StageState.UNKNOWN, reason=f"Slurm job {proc['job_id']} is in state "
+                                                                    f"{info.state or '?'}")
 
     def submit(self, stage: str, proc_id: int) -> dict:
         """sbatch the stage's generated script; the row gets the job id, then the job's state."""

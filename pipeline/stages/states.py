@@ -47,8 +47,8 @@ _EDGES = {
 def transition(store, proc: dict, to: StageState, *, reason: str = "", **fields) -> None:
     """Move a stage-process row to `to`, asserting the edge and recording an event."""
     frm = StageState(proc["state"])
-    if frm == to and not fields:
-        return
+    if frm == to and not fields and (not reason or reason == proc.get("reason")):
+        return  # nothing changes (the same state with a new reason updates the reason, without an event)
     if frm != to and (frm, to) not in _EDGES:
         raise AssertionError(f"illegal stage transition {frm} -> {to}")
     with store.atomic():
@@ -59,3 +59,9 @@ def transition(store, proc: dict, to: StageState, *, reason: str = "", **fields)
                 data={"from": str(frm), "reason": reason, **fields},
             )
     proc.update(state=str(to), reason=reason or proc.get("reason"), **fields)
+
+
+def close_run_after_training(store, proc: dict, target: StageState) -> None:
+    """Training's end ends its run (when that run is still the current one)."""
+    if proc["stage"] == "train" and proc["run_id"] == store.current_run():
+        store.close_run(proc["run_id"], reason=f"training {target}")

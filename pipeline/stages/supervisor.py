@@ -15,7 +15,12 @@ from pipeline.errors import StageError
 from pipeline.stages.host import SIGKILL, SIGTERM, RealHost, StopResult
 from pipeline.stages.slurm import job_name
 from pipeline.stages.slurm_executor import SlurmExecutor, is_job, launched, who
-from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState, transition
+from pipeline.stages.states import (
+    MAYBE_ALIVE_STATES,
+    StageState,
+    close_run_after_training,
+    transition,
+)
 from pipeline.store import Store
 
 RUNNER_START_TIMEOUT_S = 10.0  # a row no live runner has started by then never will
@@ -226,13 +231,9 @@ def record_exit(store: Store, proc_id: int, *, returncode: int, now: float, reas
               "signal": -returncode if returncode < 0 else None}
     target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
     transition(store, proc, target, reason=reason or _describe(returncode), **fields)
-    if proc["stage"] == "train" and proc["run_id"] == store.current_run():
-        store.close_run(proc["run_id"], reason=f"training {target}")
+    close_run_after_training(store, proc, target)
     return proc
 
 
 def _describe(returncode: int) -> str:
     return f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}"
-
-
-__all__ = ["StopResult", "Supervisor", "claim_row", "record_exit", "is_job", "launched", "who"]

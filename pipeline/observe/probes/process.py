@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 
 from pipeline.observe.probes import Reading, known, unknown
-from pipeline.stages.states import has_ended
+from pipeline.stages.states import StageState, has_ended
 
 
 def group_processes(pgid: int, since: float) -> list[psutil.Process]:
@@ -52,9 +52,10 @@ def read_process(row: dict | None, *, clock=time.time) -> Reading:
             value["last_line"] = line
         return known(value, clock=clock)
     if row.get("executor") == "slurm":  # the cluster's word, from the row the supervisor keeps current
-        value = {"alive": True if row["state"] == "running" else None, "exit_code": None, "stop_requested": stop,
-                 "job_id": row.get("job_id"), "queued": row["state"] == "queued"}
-        if row["state"] == "queued":
+        queued = row["state"] == StageState.QUEUED
+        value = {"alive": True if row["state"] == StageState.RUNNING else None, "exit_code": None,
+                 "stop_requested": stop, "job_id": row.get("job_id"), "queued": queued}
+        if queued:
             value["queue_reason"] = row.get("reason")
         return known(value, clock=clock)
     if row.get("pid") is None:
