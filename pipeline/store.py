@@ -210,9 +210,10 @@ class Store:
         rows = list(self.db["stage_procs"].rows_where("id = ?", [proc_id]))
         return rows[0] if rows else None
 
-    def latest_proc(self, stage: str) -> dict | None:
-        """The most recent process row of a stage."""
-        rows = list(self.db["stage_procs"].rows_where("stage = ?", [stage], order_by="id desc", limit=1))
+    def latest_proc(self, stage: str, *, run: str | None = None) -> dict | None:
+        """The most recent process row of a stage (of one run, with `run`)."""
+        where, args = ("stage = ?", [stage]) if run is None else ("stage = ? AND run_id = ?", [stage, run])
+        rows = list(self.db["stage_procs"].rows_where(where, args, order_by="id desc", limit=1))
         return rows[0] if rows else None
 
     def procs(self, stage: str, *, after: int = 0) -> list[dict]:

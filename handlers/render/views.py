@@ -214,7 +214,11 @@ def train_guard_text(c, *, cmd: str = CLI) -> str:
         if c.eta_s:
             head += f", about {ago(c.eta_s)} to go"
         if done < c.total:
-            head += f"; starting training now would train on {c.pct:.0f} % of the data while the server holds the GPUs"
+            head += f"; starting training now would train on {c.pct:.0f} % of the data"
+            if c.server_running:
+                head += " while the server holds the GPUs"
+    elif c.run is None or any(m.startswith(("extraction has not run", "no run is open")) for m in c.missing):
+        head = "extraction has not run in this run" if c.run else "no run is open"
     else:
         head = "extraction is 0 % done (no manifest totals yet)"
     return (f"refusing to start training: {head}. Not complete because: {'; '.join(c.missing)}. "
@@ -242,7 +246,9 @@ def autostart_text(on: bool, result: dict, *, cmd: str = CLI) -> str:
     """What `eagle3 autostart on|off` says."""
     state = result["state"] or {}
     if on:
-        text = (f"auto-start armed: {state.get('reason')}" if result["changed"]
+        armed = "auto-start armed for the next run" if state.get("for_next_run") and state.get("run") is None \
+            else "auto-start armed"
+        text = (f"{armed}: {state.get('reason')}" if result["changed"]
                 else f"auto-start already armed for this run (step: {state.get('step')}); nothing changed")
     elif result["changed"]:
         text = "auto-start cancelled"

@@ -1,6 +1,8 @@
 """Verified completion of extraction: the only gate to training.
 
-Complete means: the extraction stage exited 0, the manifest's processed == total,
+Only the current run counts: an extraction (and its manifest) left by an earlier run in the
+same workspace is another run's data, never this run's completion. Complete means: this run's
+extraction stage exited 0, the manifest's processed == total,
 the failed share is within the maximum, no temp files are left, and `verify`
 passes on a random sample of files. Anything less is not complete, and the answer
 says which condition is missing, with the manifest's numbers.
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from pipeline.config import Workspace
 from pipeline.observe.probes.progress import read_manifest
-from pipeline.stages.states import StageState
+from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.store import Store
 
 
@@ -27,6 +29,8 @@ class Completion:
     failed: int | None = None
     total: int | None = None
     eta_s: float | None = None
+    server_running: bool = False  # this run's server is (maybe) alive: it still holds its GPUs
+    run: str | None = None
 
     @property
     def pct(self) -> float:
@@ -39,16 +43,23 @@ class Completion:
 def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: bool = True) -> Completion:
     """Evaluate every condition; with `run_verify` the slow ones (listing the tree, opening sample
     files) run too, once the cheap ones hold. Without it only the store and the manifest are read."""
+    run = store.current_run()
+    proc = store.latest_proc("extract", run=run) if run else None
+    server = store.latest_proc("server", run=run) if run else None
+    c = Completion(complete=False, run=run,
+                   server_running=bool(server) and StageState(server["state"]) in MAYBE_ALIVE_STATES)
+    if proc is None:  # the manifest on disk, if any, is an earlier run's: not this run's progress
+        c.missing.append("extraction has not run in this run" if run else
+                         "no run is open (extraction has not run since the last run closed)")
+        c.complete = False
+        return c
     out = ws.resolve(ws.stage("extract").out)
     reading = read_manifest(out, clock=store.clock)
     prog = reading.value or {}
     verdict = store.verdict("extract") or {}
-    c = Completion(complete=False, done=prog.get("done"), failed=prog.get("failed"), total=prog.get("total"),
-                   eta_s=verdict.get("eta_s"))
-    proc = store.latest_proc("extract")
-    if proc is None:
-        c.missing.append("extraction has not been started")
-    elif proc["state"] == StageState.RUNNING:
+    c.done, c.failed, c.total = prog.get("done"), prog.get("failed"), prog.get("total")
+    c.eta_s = verdict.get("eta_s") if verdict.get("proc_id") == proc["id"] else None
+    if proc["state"] == StageState.RUNNING:
         c.missing.append("extraction is still running")
     elif proc["state"] != StageState.EXITED or proc["exit_code"] != 0:
         how = proc["reason"] or proc["state"]

@@ -66,13 +66,13 @@ KEY = "handoff"
 
 
 def handoff_state(store: Store) -> dict | None:
-    """The current run's handoff, or None (auto-start off). A handoff made for another run is
-    history once a newer run is open; with no run open, the last one still shows how it ended."""
+    """The current run's handoff, or None (auto-start off). A handoff belongs to the run it was
+    armed in: once that run has closed it is history, whether or not a newer run is open. One
+    armed while no run was open (`run` None) is armed for the next run, which it joins."""
     state = store.get(KEY)
     if not state:
         return None
-    run = store.current_run()
-    if run is not None and state.get("run") not in (None, run):
+    if state.get("run") not in (None, store.current_run()):
         return None
     return state
 
@@ -129,9 +129,11 @@ class Handoff:
             state = self.state()
             if state and state["step"] in FOLLOWED:
                 return False, state
-            self.store.put(KEY, {"run": self.store.current_run()})  # a fresh handoff: nothing of the last one
-            return True, self._set(ARMED, f"armed by {by}", armed_by=by, armed_at=self.clock(), train_floor=None,
-                                   gpu_wait_since=None, train_proc_id=None)
+            run = self.store.current_run()
+            self.store.put(KEY, {"run": run})  # a fresh handoff: nothing of the last one
+            return True, self._set(ARMED, f"armed by {by}" + ("" if run else " for the next run"), armed_by=by,
+                                   armed_at=self.clock(), train_floor=None, gpu_wait_since=None, train_proc_id=None,
+                                   for_next_run=run is None)
 
     def cancel(self, *, by: str) -> tuple[bool, dict | None]:
         """Cancel before a training process exists. Returns (cancelled, state)."""
@@ -159,14 +161,29 @@ class Handoff:
                 return
 
     def _arm_new_run(self) -> None:
-        """With `[handoff] autostart = true`, each new run starts armed."""
-        if self.ws.config.handoff.autostart and self.store.current_run() and self.state() is None:
+        """With `[handoff] autostart = true`, each new run starts armed, unless training was
+        already started in it by hand (a resume): auto-start has nothing left to hand off."""
+        run = self.store.current_run()
+        if (self.ws.config.handoff.autostart and run and self.state() is None
+                and self.store.latest_proc("train", run=run) is None):
             self.arm(by="config ([handoff] autostart = true)")
 
+    def _manual_training(self) -> dict | None:
+        """A live training process of this run that the handoff did not launch (started by hand)."""
+        run = self.store.current_run()
+        proc = self.store.latest_proc("train", run=run) if run else None
+        return proc if proc and proc["state"] in MAYBE_ALIVE_STATES else None
+
     def _armed(self, state: dict) -> None:
+        if state.get("run") is None and self.store.current_run() is None:
+            return  # armed for the next run: nothing to wait for until it opens
         self._set(WAITING, "waiting for verified completion of extraction")
 
     def _waiting(self, state: dict) -> None:
+        if (train := self._manual_training()) is not None:
+            how = who(train) if launched(train) else "being started"
+            self._set(CANCELLED, f"training was started by hand and is running ({how}); auto-start stands down")
+            return
         c = completion.check(self.ws, self.store, verify_sample=self.ws.config.handoff.verify_sample)
         if not c.complete:
             self._note("waiting: " + "; ".join(c.missing))

@@ -62,6 +62,10 @@ def transition(store, proc: dict, to: StageState, *, reason: str = "", **fields)
 
 
 def close_run_after_training(store, proc: dict, target: StageState) -> None:
-    """Training's end ends its run (when that run is still the current one)."""
-    if proc["stage"] == "train" and proc["run_id"] == store.current_run():
-        store.close_run(proc["run_id"], reason=f"training {target}")
+    """Training that finished (exit 0, not stopped) ends its run, when that run is still the current
+    one. A training stopped on request or failed leaves the run open: `eagle3 start train`, the
+    restart policy and the handoff's relaunch resume it within the same run, whose extraction is
+    the one training reads (`stop --all` closes a run for good)."""
+    if (proc["stage"] == "train" and target == StageState.EXITED and proc.get("exit_code") == 0
+            and proc["run_id"] == store.current_run()):
+        store.close_run(proc["run_id"], reason="training finished (exit 0)")

@@ -30,7 +30,7 @@ def test_a_new_run_starts_with_auto_start_off(ctl):
     assert ctl.autostart(True)["changed"]
     assert handoff_state(store)["run"] == first
     store.close_run(first, reason="all stages stopped")
-    assert handoff_state(store)["step"] == "armed", "with no run open, the last run's handoff still shows"
+    assert handoff_state(store) is None, "with no run open, the closed run's handoff is history: auto-start off"
     store.open_run()
     assert handoff_state(store) is None and ctl.status(sample_if_unmonitored=False).autostart == "off"
     again = ctl.autostart(True)
@@ -85,3 +85,153 @@ def test_a_launch_checked_against_a_cancel_in_its_own_transaction_starts_nothing
     before = ctl.store.latest_proc("train")
     assert ctl.supervisor.start("train", only_if=lambda: False) is None
     assert ctl.store.latest_proc("train") == before
+
+
+# --- a workspace used by an earlier run (issue 30): only the current run's stages count -------------------
+
+EXTRACT_OUT = "out"
+
+
+def used_ws(tmp_path, extra: str = "") -> tuple[Workspace, Store]:
+    """A workspace whose earlier run extracted 300 of 300 samples (exited 0, manifest complete) and closed."""
+    import sqlite3
+
+    from pipeline.manifest import SCHEMA
+
+    text = (f"[stages.server]\nargv = [\"x\"]\n[stages.extract]\nargv = [\"y\"]\nout = \"{EXTRACT_OUT}\"\n"
+            f"[stages.train]\nargv = [\"z\"]\n{extra}")
+    ws = Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml")
+    out = tmp_path / EXTRACT_OUT
+    (out / "hidden_states").mkdir(parents=True)
+    conn = sqlite3.connect(out / "manifest.sqlite", isolation_level=None)
+    conn.executescript(SCHEMA)
+    conn.executemany("INSERT INTO meta VALUES (?, ?)", [("samples_total", "300"), ("tokens_total", "30000")])
+    conn.executemany("INSERT INTO samples (idx, status, tokens, bytes, attempts, finished_at) "
+                     "VALUES (?, 'done', 100, 10, 1, 0)", [(i,) for i in range(300)])
+    conn.close()
+    store = Store(ws.store_path)
+    old = store.open_run()
+    for stage in ("server", "extract", "train"):
+        add_proc(store, old, stage, state="exited", exit_code=0)
+    store.close_run(old, reason="training finished (exit 0)")
+    return ws, store
+
+
+def add_proc(store: Store, run: str, stage: str, *, state: str = "running", exit_code: int | None = None) -> int:
+    return store.insert_proc({"run_id": run, "stage": stage, "state": state, "pid": None, "argv": "[]",
+                              "started_at": 0, "ended_at": 1 if state != "running" else None,
+                              "exit_code": exit_code, "stop_requested": 0, "reason": "exit code 0"})
+
+
+class RecordingSupervisor:
+    """The handoff's supervisor, recording what it was asked to do (nothing here may be stopped or started)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def stop(self, stage, **kw):
+        self.calls.append(("stop", stage))
+        raise AssertionError(f"the handoff stopped {stage} on an earlier run's data")
+
+    def start(self, stage, **kw):
+        self.calls.append(("start", stage))
+        raise AssertionError(f"the handoff started {stage} on an earlier run's data")
+
+    def refresh(self) -> None:
+        pass
+
+
+@pytest.fixture
+def verify_passes(monkeypatch):
+    """The sample files' check passes: these tests are about which run's data counts, not the files."""
+    from pipeline.extract import verify as verify_mod
+
+    ok = type("R", (), {"ok": True, "checked": 1, "problems": []})()
+    monkeypatch.setattr(verify_mod, "verify", lambda *a, **k: ok)
+
+
+def steps(store: Store) -> list[str]:
+    return [e["data"]["step"] for e in store.events(kind="handoff")]
+
+
+def test_completion_reads_only_the_current_runs_extraction(tmp_path, verify_passes):
+    ws, store = used_ws(tmp_path)
+    try:
+        c = completion.check(ws, store)
+        assert not c.complete and c.missing == ["no run is open (extraction has not run since the last run closed)"]
+        add_proc(store, store.open_run(), "server")  # `eagle3 start server`: a new run
+        c = completion.check(ws, store)
+        assert not c.complete and c.missing == ["extraction has not run in this run"]
+        assert c.total is None, "the manifest on disk is the earlier run's: not this run's progress"
+        add_proc(store, store.current_run(), "extract", state="exited", exit_code=0)
+        assert completion.check(ws, store).complete, "this run's extraction (resumed: nothing left) counts"
+    finally:
+        store.close()
+
+
+def test_autostart_true_in_a_used_workspace_waits_for_this_runs_extraction(tmp_path, verify_passes):
+    ws, store = used_ws(tmp_path, "[handoff]\nautostart = true\n")
+    try:
+        add_proc(store, store.open_run(), "server")  # `eagle3 start server` alone
+        h = Handoff(ws=ws, store=store, supervisor=RecordingSupervisor(), port_check=lambda port: True)
+        for _ in range(3):
+            h.tick()
+        state = handoff_state(store)
+        assert state["step"] == "waiting-for-completion"
+        assert state["reason"] == "waiting: extraction has not run in this run"
+        assert set(steps(store)) == {"armed", "waiting-for-completion"}, "the server was never stopped"
+    finally:
+        store.close()
+
+
+def test_arming_between_runs_is_for_the_next_run_and_never_acts_on_the_last(tmp_path, verify_passes):
+    ws, store = used_ws(tmp_path)
+    ctl = Controller(workspace=ws, store=store)
+    try:
+        result = ctl.autostart(True, by="cli:ana")
+        from handlers.render.views import autostart_text
+
+        assert autostart_text(True, result).startswith("auto-start armed for the next run: armed by cli:ana")
+        h = Handoff(ws=ws, store=store, supervisor=RecordingSupervisor(), port_check=lambda port: True)
+        h.tick()
+        assert handoff_state(store)["step"] == "armed", "no run open: nothing to wait for yet"
+        run = store.open_run()
+        add_proc(store, run, "server")
+        h.tick()
+        h.tick()
+        state = handoff_state(store)
+        assert (state["run"], state["step"]) == (run, "waiting-for-completion")
+        assert "extraction has not run in this run" in state["reason"]
+        assert ctl.status(sample_if_unmonitored=False).autostart == "waiting-for-completion"
+    finally:
+        ctl.close()
+        store.close()
+
+
+def test_training_started_by_hand_sets_off_no_handoff(tmp_path, verify_passes):
+    ws, store = used_ws(tmp_path, "[handoff]\nautostart = true\n")
+    try:
+        add_proc(store, store.open_run(), "train")  # `eagle3 start train` (a resume) opens the run
+        h = Handoff(ws=ws, store=store, supervisor=RecordingSupervisor(), port_check=lambda port: True)
+        for _ in range(3):
+            h.tick()
+        assert handoff_state(store) is None and steps(store) == []
+        assert Controller(workspace=ws, store=store).status(sample_if_unmonitored=False).autostart == "off"
+    finally:
+        store.close()
+
+
+def test_training_started_by_hand_while_armed_makes_the_handoff_stand_down(tmp_path, verify_passes):
+    ws, store = used_ws(tmp_path)
+    try:
+        run = store.open_run()
+        add_proc(store, run, "server")
+        h = Handoff(ws=ws, store=store, supervisor=RecordingSupervisor(), port_check=lambda port: True)
+        h.arm(by="cli:ana")
+        h.tick()
+        add_proc(store, run, "train")
+        h.tick()
+        state = handoff_state(store)
+        assert state["step"] == "cancelled" and "started by hand" in state["reason"]
+    finally:
+        store.close()

@@ -106,14 +106,21 @@ def test_stop_without_escalation(setup):
     assert all(s[1] == SIGTERM for s in host.signals)
 
 
-def test_exit_after_requested_stop_is_stopped_and_closes_run_for_train(setup):
+def test_exit_after_requested_stop_is_stopped_and_keeps_the_run_open_to_resume(setup):
     ws, host, store, sup = setup
     proc_id = add_running(store, host)
+    run = store.proc(proc_id)["run_id"]
     store.update_proc(proc_id, stop_requested=1)
     record_exit(store, proc_id, returncode=137, now=host.now)
     proc = store.proc(proc_id)
     assert (proc["state"], proc["exit_code"]) == ("stopped", 137)
-    assert store.current_run() is None
+    assert store.current_run() == run, "a stopped training is resumed within its run (its extraction)"
+    failed = add_running(store, host, pid=501)
+    record_exit(store, failed, returncode=1, now=host.now)
+    assert store.current_run() == run, "a failed training too: the restart or relaunch resumes in the run"
+    done = add_running(store, host, pid=502)
+    record_exit(store, done, returncode=0, now=host.now)
+    assert store.current_run() is None, "a training that finished closes its run"
 
 
 def test_exit_code_and_signal_recorded(setup):
