@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
+from pipeline.fileperm import honour_umask
 from pipeline.layout import sample_path
 
 __all__ = ["DTYPES", "Tensor", "remove_temp_files", "sample_path", "tensors_for", "to_bf16_bits", "write_sample"]
@@ -82,6 +83,7 @@ def _save(tensors: dict[str, Tensor], path: str, metadata: dict[str, str]) -> No
     specs = {k: TensorSpec(dtype=t.dtype, shape=t.shape, data_ptr=t.array.ctypes.data, data_len=t.array.nbytes)
              for k, t in tensors.items()}
     serialize_file(specs, path, metadata=metadata)  # `tensors` keeps the arrays alive meanwhile
+    honour_umask(path)  # safetensors creates it 0600: the trainer may run as another user
 
 
 def write_sample(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> int:

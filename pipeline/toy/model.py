@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.fileperm import honour_umask
+
 VOCAB = 256
 HIDDEN = 64
 LAYERS = 8
@@ -188,6 +190,7 @@ def export_target(directory: Path) -> Path:
     tensors = {"model.embed_tokens.weight": m.embed_tokens.weight, "model.norm.weight": m.norm,
                "lm_head.weight": m.lm_head.weight}
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    honour_umask(directory / "model.safetensors")
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: "model.safetensors" for k in tensors}}, indent=1))
     (directory / "config.json").write_text(json.dumps(m.config(), indent=1))

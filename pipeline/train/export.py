@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.fileperm import honour_umask
 
 ARCH = "LlamaForCausalLMEagle3"  # torch-free here: the service reads draft_note after training
 
@@ -84,6 +85,7 @@ def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | No
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        honour_umask(tmp / "model.safetensors")  # SGLang may run as another user
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         problems = check_export(tmp)
         if problems:
