@@ -98,13 +98,16 @@ def cmd_check_config(args) -> int:
          example="eagle3 start extract",
          args=(arg("stage", choices=STAGE_NAMES),
                arg("--force", action="store_true",
-                   help="start training although extraction is not verified complete (audited)")))
+                   help="start training although extraction is not verified complete (audited)"),
+               arg("--fresh", action="store_true",
+                   help="training only: start over at step 1; the earlier training's checkpoints, progress and draft "
+                        "are moved to OUT/previous/<time>/ (without it, training resumes from its checkpoint)")))
 def cmd_start(args) -> int:
     from handlers.render.views import server_holds_gpus_text, train_guard_text
     from pipeline.controller import ServerHoldsGpusError, TrainGuardError
     with _controller(args) as ctl:
         try:
-            proc = ctl.start(args.stage, force=args.force, by=_who())
+            proc = ctl.start(args.stage, force=args.force, fresh=args.fresh, by=_who())
         except TrainGuardError as exc:
             raise UserError(train_guard_text(exc.completion)) from None
         except ServerHoldsGpusError as exc:
@@ -112,6 +115,8 @@ def cmd_start(args) -> int:
     from pipeline.stages.supervisor import launched, who
     if not launched(proc):
         raise UserError(f"{args.stage} did not start: {proc['reason']}; see `eagle3 logs {args.stage}`")
+    if proc.get("set_aside"):
+        print(f"moved the earlier training's files to {proc['set_aside']}")
     print(f"started {args.stage}: {who(proc)}, run {proc['run_id']}, log {proc['log']}")
     if proc["state"] == "queued":
         print(f"{args.stage} is {proc['reason']}")
@@ -147,7 +152,22 @@ def cmd_remind(args) -> int:
 
 
 def _who() -> str:
-    return f"cli:{os.environ.get('USER') or os.environ.get('LOGNAME') or os.getuid()}"
+    """Who runs this command, for the audit: the person behind `sudo -u eagle3` (SUDO_USER), else the
+    login name, else the account's name."""
+    return f"cli:{cli_user(os.environ, os.getuid())}"
+
+
+def cli_user(env, uid: int) -> str:
+    """SUDO_USER (the person, under the guide's `sudo -u eagle3` alias), USER, LOGNAME, or uid's account name."""
+    name = env.get("SUDO_USER") or env.get("USER") or env.get("LOGNAME")
+    if name:
+        return name
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 @command("stop", "stop a stage (or --all): SIGTERM to its process group, grace, SIGKILL",
@@ -343,11 +363,14 @@ def cmd_toy_server(args) -> int:
 
 
 @command("train", "the EAGLE-3 draft trainer itself (run it under torchrun); same flags as python -m pipeline.train",
-         example="eagle3 train --data /data/hs --lm-head lm_head.safetensors --out ckpt --steps 2000",
-         args=(arg("train_args", nargs=argparse.REMAINDER, help="--data OUT --out CKPT --steps N …"),))
+         example="eagle3 train --data /data/hs --target-model /models/Llama-3.1-8B-Instruct --out ckpt --steps 2000",
+         args=())
 def cmd_train(args) -> int:
     from pipeline.train.loop import main as train_main
-    return train_main(args.train_args)
+    return train_main(args.passthrough, prog="eagle3 train", epilog=f"Example: {COMMANDS['train'].example}")
+
+
+PASSTHROUGH = frozenset({"train"})  # commands whose flags (and --help) are another program's: passed on whole
 
 
 @command("chart", "draw a stage's run as a PNG: progress with the ETA band, rates, loss, GPUs (UTC)",
@@ -415,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Operate an EAGLE-3 draft-model training pipeline.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, spec in COMMANDS.items():
-        cmd = sub.add_parser(name, parents=[common], help=spec.help, description=spec.help,
+        cmd = sub.add_parser(name, parents=[] if name in PASSTHROUGH else [common], help=spec.help,
+                             description=spec.help, add_help=name not in PASSTHROUGH,
                              epilog=f"Example: {spec.example}", formatter_class=argparse.RawDescriptionHelpFormatter)
         if callable(spec.args):
             spec.args(cmd)
@@ -428,7 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `eagle3` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command in PASSTHROUGH:
+        args.passthrough = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:
         parser.print_help()
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,26 @@ class ServerHoldsGpusError(UserError):
         self.gpus = gpus
 
 
+def refuse_foreign_root(state_dir: Path, *, euid: int, env) -> None:
+    """Root in a workspace whose state another account owns (the service's `eagle3` user) would leave
+    root-owned store files and logs that the service can no longer write: refused, unless asked."""
+    try:
+        owner = state_dir.stat().st_uid
+    except OSError:
+        return
+    if euid != 0 or owner == 0 or env.get("EAGLE3_ALLOW_ROOT") == "1":
+        return
+    import pwd
+
+    try:
+        name = pwd.getpwuid(owner).pw_name
+    except KeyError:
+        name = f"uid {owner}"
+    raise UserError(f"{state_dir} belongs to {name}, but this command runs as root: the store and logs it writes "
+                    f"would be root's, and the service could no longer write them. Run it as {name} "
+                    f"(`sudo -u {name} eagle3 …`), or set EAGLE3_ALLOW_ROOT=1 if you mean it")
+
+
 class Controller:
     """Verbs over one workspace: start, stop, status, logs."""
 
@@ -47,8 +68,10 @@ class Controller:
 
     @classmethod
     def open(cls, config: str | None) -> Controller:
-        """Find the config, load it and open its store."""
-        return cls(workspace=load_workspace(find_config(config)))
+        """Find the config, load it and open its store (refusing root in a workspace another account owns)."""
+        ws = load_workspace(find_config(config))
+        refuse_foreign_root(ws.state_dir, euid=os.geteuid(), env=os.environ)
+        return cls(workspace=ws)
 
     def close(self) -> None:
         """Release the store (if this controller opened it)."""
@@ -65,9 +88,13 @@ class Controller:
         if stage not in STAGE_NAMES:
             raise StageError(f"unknown stage {stage!r}; choose one of {', '.join(STAGE_NAMES)}")
 
-    def start(self, stage: str, *, force: bool = False, by: str = "cli") -> dict:
-        """Start a stage; training only once extraction is verified complete (or forced, audited)."""
+    def start(self, stage: str, *, force: bool = False, fresh: bool = False, by: str = "cli") -> dict:
+        """Start a stage; training only once extraction is verified complete (or forced, audited).
+        Training resumes from its --out's checkpoint; `fresh` moves an earlier training's files aside
+        first (OUT/previous/<time>/), so that it starts at step 1."""
         self._check_stage(stage)
+        if fresh and stage != "train":
+            raise UserError(f"--fresh is for training (it moves stages.train.out's checkpoints aside), not {stage}")
         if stage == "train":
             c = completion.check(self.ws, self.store, verify_sample=self.ws.config.handoff.verify_sample)
             if not c.complete and not force:
@@ -79,7 +106,27 @@ class Controller:
             self._guard_server_gpus(force=force, by=by)
         if stage == "server":
             self._record_gpu_baseline()
-        return self.supervisor.start(stage)
+        moved = self._set_training_aside(by=by) if fresh else None
+        proc = self.supervisor.start(stage)
+        return {**proc, "set_aside": str(moved) if moved else None} if fresh else proc
+
+    def _set_training_aside(self, *, by: str) -> Path | None:
+        """`start train --fresh`: the earlier training's checkpoints, progress and draft go to
+        OUT/previous/<time>/ (never deleted), unless training is running."""
+        from pipeline.train.outdir import set_aside
+
+        self.supervisor.refresh()
+        proc = self.store.latest_proc("train")
+        if proc and StageState(proc["state"]) in MAYBE_ALIVE_STATES:
+            raise StageError(f"train is {proc['state']}: stop it first (`eagle3 stop train`), then start it --fresh")
+        out = self.ws.resolve(self.ws.stage("train").out)
+        if out is None:
+            raise UserError("--fresh needs stages.train.out (the trainer's --out) in the config, to know what "
+                            "to move aside")
+        moved = set_aside(out)
+        self.store.audit(user=by, channel=None, action="start train --fresh", outcome="done",
+                         detail=f"moved to {moved}" if moved else "nothing to move")
+        return moved
 
     def _guard_server_gpus(self, *, force: bool, by: str) -> None:
         """Training beside a server that holds its GPUs competes for their memory: refused

@@ -104,10 +104,13 @@ class StopResult:
     note: str = ""
 
 
-def stage_env(ws: Workspace, stage: str) -> dict[str, str]:
-    """The environment a stage runs with: ours without the Slack secrets, its configured env, its GPUs."""
+def stage_env(ws: Workspace, stage: str, *, run: str | None = None) -> dict[str, str]:
+    """The environment a stage runs with: ours without the Slack secrets, its configured env, its GPUs,
+    and EAGLE3_RUN (the run it belongs to: the trainer resumes only a checkpoint of the same run)."""
     cfg = ws.stage(stage)
     env = without_secrets({**os.environ, **cfg.env, "PYTHONUNBUFFERED": "1"})
+    if run:
+        env["EAGLE3_RUN"] = run
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
     return env

@@ -45,7 +45,7 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
     cfg = ws.stage(stage)
     try:
         child = subprocess.Popen(
-            json.loads(proc["argv"]), cwd=str(ws.resolve(cfg.cwd) or ws.root), env=stage_env(ws, stage),
+            json.loads(proc["argv"]), cwd=str(ws.resolve(cfg.cwd) or ws.root), env=stage_env(ws, stage, run=proc["run_id"]),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
     except OSError as exc:

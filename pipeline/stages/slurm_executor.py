@@ -82,7 +82,7 @@ class SlurmExecutor:
         text = slurm.batch_script(name=proc["job_name"], argv=cfg.argv, cfg=cfg, slurm=self.ws.config.slurm, log=log,
                                   cwd=self.ws.resolve(cfg.cwd) or self.ws.root)
         script = slurm.write_script(self.ws.state_dir / "slurm", proc["job_name"], text)
-        env = stage_env(self.ws, stage)  # sbatch exports it to the job: ours without the Slack secrets
+        env = stage_env(self.ws, stage, run=proc["run_id"])  # sbatch exports it to the job: ours without the Slack secrets
         try:
             job = slurm.submit(script, env=env)
         except slurm.SlurmError as exc:

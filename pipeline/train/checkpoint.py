@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.fileperm import honour_umask
+
 
 def step_dir(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"step_{step}"
@@ -22,17 +24,19 @@ def step_dir(out: Path, step: int) -> Path:
 CONFIG_NAME = "draft_config.json"
 
 
-def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier, config) -> None:
-    """Every rank writes its RNG state; rank 0 the rest (weights, optimizer, the draft's config); then `latest` moves."""
+def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier, config, origin: dict | None = None) -> None:
+    """Every rank writes its RNG state; rank 0 the rest (weights, optimizer, the draft's config, and `origin`:
+    the run and the data it was trained on, in state.json); then `latest` moves."""
     d = step_dir(out, step)
     d.mkdir(parents=True, exist_ok=True)
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / f"rng_rank{rank}.pt")
     if rank == 0:
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(d / "model.safetensors"))
+        honour_umask(d / "model.safetensors")
         torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, d / "optim.pt")
         (d / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=1))
-        (d / "state.json").write_text(json.dumps({"step": step}))
+        (d / "state.json").write_text(json.dumps({"step": step, **(origin or {})}))
     barrier()
     if rank == 0:
         tmp = out / ".latest.tmp"
@@ -63,17 +67,46 @@ def read_config(d: Path) -> dict:
         raise UserError(f"{path}: not JSON") from None
 
 
+def _shape_diff(saved: dict, config) -> list[str]:
+    now = config.to_dict()
+    return [f"{k} {saved.get(k)!r} → {now[k]!r}" for k in now if k != "aux_layer_ids" and saved.get(k) != now[k]]
+
+
+def mismatch(out: Path, *, step: int, config, origin: dict) -> str | None:
+    """Why the checkpoint at `step` is not this training's to resume (another shape, another run,
+    other data, an older layout), or None when it is."""
+    from pipeline.errors import UserError
+
+    d = step_dir(out, step)
+    try:
+        diff = _shape_diff(read_config(d), config)
+    except UserError as exc:
+        return str(exc)
+    if diff:
+        return f"the checkpoint at step {step} has another shape ({'; '.join(diff)})"
+    try:
+        state = json.loads((d / "state.json").read_text())
+    except (OSError, ValueError):
+        state = {}
+    if origin.get("run") and state.get("run") and state["run"] != origin["run"]:
+        return f"the checkpoint at step {step} belongs to run {state['run']}, not to this run ({origin['run']})"
+    was, now = state.get("data") or {}, origin.get("data") or {}
+    changed = [k for k, v in now.items() if v is not None and was.get(k) is not None and was[k] != v]
+    if changed:
+        return f"the checkpoint at step {step} was trained on other data ({', '.join(changed)} differ)"
+    return None
+
+
 def load(out: Path, *, step: int, model, opt, sched, rank: int, config) -> None:
     """Restore a checkpoint written by `save` (refusing one of another shape or layout)."""
     from pipeline.errors import UserError
 
     d = step_dir(out, step)
-    saved = read_config(d)
-    now = config.to_dict()
-    diff = [f"{k} {saved.get(k)!r} → {now[k]!r}" for k in now if k != "aux_layer_ids" and saved.get(k) != now[k]]
+    diff = _shape_diff(read_config(d), config)
     if diff:
         raise UserError(f"--resume: the checkpoint at step {step} has another shape ({'; '.join(diff)}); "
-                        "resume with the flags it was trained with, or train into a new --out")
+                        "resume with the flags it was trained with, start over with --fresh (the old "
+                        "checkpoints are moved to OUT/previous/), or train into a new --out")
     model.load_state_dict(load_file(str(d / "model.safetensors")))
     optim = torch.load(d / "optim.pt", weights_only=False)
     opt.load_state_dict(optim["optimizer"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,8 @@ from safetensors import safe_open
 from pipeline.errors import UserError
 from pipeline.layout import sample_path
 from pipeline.manifest import MANIFEST_NAME, read_done
+
+IDENTITY_KEYS = ("dataset_sha256", "samples_total", "model")  # manifest meta: which data a checkpoint learned
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Corpus:
     bad: list[str]
     final_slot: str | None = None  # 'post-norm' (this project's extraction) or 'pre-norm' (speculators' files)
     layer_ids: list[int] | None = None  # the target layers whose inputs are the aux states
+    identity: dict = field(default_factory=dict)  # what the data is (the manifest's dataset hash, size, model)
 
 
 def _expect(path: Path, name: str, shape, want) -> None:
@@ -108,7 +111,8 @@ def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> C
     except ValueError:
         layer_ids = None
     return Corpus([s for s in samples if s.idx not in val_ids], val, layers, hidden, topk, bad,
-                  final_slot=slot if layers == 4 else None, layer_ids=layer_ids)
+                  final_slot=slot if layers == 4 else None, layer_ids=layer_ids,
+                  identity={k: meta.get(k) for k in IDENTITY_KEYS})
 
 
 def token_counts(samples: list[SampleInfo], vocab: int) -> torch.Tensor:

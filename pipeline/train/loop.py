@@ -20,6 +20,7 @@ from pipeline.errors import UserError
 from pipeline.train import checkpoint
 from pipeline.train.data import Corpus, batches, load_batch, load_corpus, token_counts
 from pipeline.train.model import DraftConfig, Eagle3Draft, RMSNorm, build_target, draft_vocab
+from pipeline.train.outdir import RUN_ENV, set_aside
 from pipeline.train.target import Target, load_target
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -31,9 +32,10 @@ class TrainError(UserError):
     exit_code = 3
 
 
-def parser() -> argparse.ArgumentParser:
-    """The trainer's arguments (also `eagle3 train`)."""
-    p = argparse.ArgumentParser(prog="python -m pipeline.train", description="Train an EAGLE-3 draft head.")
+def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) -> argparse.ArgumentParser:
+    """The trainer's arguments (also `eagle3 train`, which names itself and its example)."""
+    p = argparse.ArgumentParser(prog=prog, description="Train an EAGLE-3 draft head.", epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="extraction output directory")
     p.add_argument("--target-model", "--lm-head", dest="target_model", metavar="DIR",
                    help="the target's Hugging Face directory: its embedding, lm_head and final norm are read "
@@ -41,7 +43,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="checkpoint directory (progress.jsonl goes here; the draft for "
                                                "SGLang is exported to OUT/draft at the end)")
     p.add_argument("--steps", type=int, required=True, help="train up to this step")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="resuming is the default: training continues from --out's latest checkpoint when it is this "
+                        "training's (same shape, run and data); with --resume a checkpoint of another shape is "
+                        "refused instead of moved aside")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over at step 1: an earlier training's checkpoints, progress and draft in --out are "
+                        "moved to OUT/previous/<time>/ (never deleted, never mixed)")
     p.add_argument("--skip-bad", action="store_true", help="leave out missing or corrupt sample files (counted)")
     p.add_argument("--ttt", type=int, default=7, help="training-time-test unroll steps (default 7)")
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary: the N most frequent target tokens of the "
@@ -185,20 +193,37 @@ def run(args: argparse.Namespace) -> int:
                   f"({covered} ids)" + (f"; {len(corpus.bad)} bad file(s) skipped" if corpus.bad else ""), flush=True)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-        start = 0
-        if args.resume and (found := checkpoint.latest_step(out)) is not None:
-            checkpoint.load(out, step=found, model=model, opt=opt, sched=sched, rank=d.rank, config=cfg)
-            start = found
-            if d.rank == 0:
-                _truncate_progress(out, start)
-                print(f"train: resumed from step {start}", flush=True)
+        origin = {"run": os.environ.get(RUN_ENV) or None, "data": corpus.identity}
+        start = _resume_point(args, out, d, model, opt, sched, cfg, origin)
         # Buffers (the frozen target embedding, d2t, t2d) are identical on every rank by construction:
         # broadcasting them each step would move the whole embedding (4.7 GB at V = 163,840, H = 7,168).
         ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
-        ctx = Ctx(target=target, final_norm=final_norm, cfg=cfg)
+        ctx = Ctx(target=target, final_norm=final_norm, cfg=cfg, origin=origin)
         return _loop(args, d, ddp, model, opt, sched, corpus, ctx, start, out)
     finally:
         d.close()
+
+
+def _resume_point(args, out: Path, d: Dist, model, opt, sched, cfg: DraftConfig, origin: dict) -> int:
+    """The step to continue from: --out's latest checkpoint when it is this training's; otherwise 0,
+    after moving an earlier training's files aside (OUT/previous/<time>/) so no two trainings mix."""
+    found = checkpoint.latest_step(out)
+    why = "--fresh" if args.fresh else None
+    if found is not None and why is None:
+        why = checkpoint.mismatch(out, step=found, config=cfg, origin=origin)
+        if why and args.resume and "another shape" in why:  # asked to resume: a flag mistake, not a new training
+            checkpoint.load(out, step=found, model=model, opt=opt, sched=sched, rank=d.rank, config=cfg)
+    if found is not None and why is None:
+        checkpoint.load(out, step=found, model=model, opt=opt, sched=sched, rank=d.rank, config=cfg)
+        if d.rank == 0:
+            _truncate_progress(out, found)
+            print(f"train: resumed from step {found} of {out} (pass --fresh to start over)", flush=True)
+        return found
+    if d.rank == 0 and (moved := set_aside(out)) is not None:
+        print(f"train: {why or 'no checkpoint to resume'}: moved the earlier training's files to {moved}; "
+              "starting at step 1", flush=True)
+    d.barrier()
+    return 0
 
 
 @dataclass
@@ -208,6 +233,7 @@ class Ctx:
     target: Target
     final_norm: RMSNorm | None
     cfg: DraftConfig
+    origin: dict  # the run and the data, recorded in each checkpoint
 
 
 def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start: int, out: Path) -> int:
@@ -238,7 +264,7 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
                 _write(progress, {"step": step, "total_steps": args.steps, "loss": None, "kl": None,
                                   "tokens_per_s": rate, "error": f"loss is {mloss} at step {step}"})
                 raise TrainError(f"training stopped: loss is {mloss} at step {step} (NaN or exploding); "
-                                 "lower --lr or check the data, then --resume from the last checkpoint")
+                                 "lower --lr or check the data; the next start resumes from the last checkpoint")
             if step % args.log_every == 0 or step == args.steps:
                 _write(progress, {"step": step, "total_steps": args.steps, "loss": round(mloss, 6),
                                   "kl": round(mloss - ment, 6), "tokens_per_s": round(rate, 1)})
@@ -246,15 +272,16 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
                 _validation(out, step, model, corpus, ctx, args, d)
             if d.any(stop["flag"]):
                 checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
-                                config=ctx.cfg)
+                                config=ctx.cfg, origin=ctx.origin)
                 if d.rank == 0:
-                    print(f"train: SIGTERM: checkpoint saved at step {step}; resume with --resume", flush=True)
+                    print(f"train: SIGTERM: checkpoint saved at step {step}; the next start resumes from it "
+                          "(`eagle3 start train`, or the same command)", flush=True)
                 return 0
             if step % args.save_every == 0 and step != args.steps:
                 checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank,
-                                barrier=d.barrier, config=ctx.cfg)
+                                barrier=d.barrier, config=ctx.cfg, origin=ctx.origin)
         checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
-                        config=ctx.cfg)
+                        config=ctx.cfg, origin=ctx.origin)
         if d.rank == 0:
             if not (args.eval_every and step % args.eval_every == 0):  # not validated at this step already
                 _validation(out, step, model, corpus, ctx, args, d)
@@ -313,9 +340,9 @@ def _truncate_progress(out: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m pipeline.train", epilog: str | None = None) -> int:
     """Entry point; one-line errors, exit 2 (bad input) or 3 (numerical failure)."""
-    args = parser().parse_args(argv)
+    args = parser(prog, epilog).parse_args(argv)
     try:
         return run(args)
     except UserError as exc:
