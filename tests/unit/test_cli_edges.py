@@ -51,3 +51,61 @@ def test_status_works_on_the_untouched_template(tmp_path):
     cfg.write_text(production_template())
     out = run("status", "--config", str(cfg))
     assert out.returncode == 0 and out.stdout.startswith("run: none open"), out.stderr
+
+
+def test_the_audit_names_the_person_behind_sudo():
+    from bot.cli import cli_user
+
+    assert cli_user({"SUDO_USER": "ana", "USER": "eagle3"}, 999) == "ana"
+    assert cli_user({"USER": "eagle3"}, 999) == "eagle3"
+    assert cli_user({}, 0) == "root", "no cli:0: the account's name"
+
+
+def test_root_is_refused_in_a_workspace_another_account_owns(tmp_path):
+    from pipeline.controller import refuse_foreign_root
+    from pipeline.errors import UserError
+
+    state = tmp_path / ".eagle3"
+    state.mkdir()
+    refuse_foreign_root(state, euid=0, env={})  # root's own workspace: fine
+    os.chown(state, 65534, 65534) if os.geteuid() == 0 else pytest.skip("chown needs root")
+    with pytest.raises(UserError, match=r"belongs to nobody, but this command runs as root.*sudo -u nobody eagle3"):
+        refuse_foreign_root(state, euid=0, env={})
+    refuse_foreign_root(state, euid=0, env={"EAGLE3_ALLOW_ROOT": "1"})
+    refuse_foreign_root(state, euid=65534, env={})
+
+
+def documented_commands() -> list[list[str]]:
+    """Every `eagle3 …`, `torchrun … -m pipeline.train …` line of the README's and the operator guide's
+    code blocks, as argv (optional `[…]` parts and comments dropped)."""
+    import re
+    import shlex
+
+    found = []
+    for name in ("README.md", "docs/operator.md"):
+        for block in re.findall(r"```[a-z]*\n(.*?)```", (ROOT / name).read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", re.sub(r"\[[^\]]*\]", "", line)).strip()
+                line = re.sub(r"^(sudo -u \S+ |CUDA_VISIBLE_DEVICES=\S+ )+", "", line)
+                line = re.sub(r"(?<=\s)N(?=\s|$)", "1", line)  # a synopsis' count placeholder
+                if line.startswith("eagle3 ") and not line.startswith("eagle3 serve:"):
+                    found.append(shlex.split(line)[1:])
+                elif " -m pipeline.train " in line:
+                    found.append(["train", *shlex.split(line.split(" -m pipeline.train ", 1)[1])])
+    return found
+
+
+def test_the_documented_commands_parse_as_written():
+    """Issue 30: `eagle3 train --data X --out Y --steps 1` from the README failed with 'unrecognized
+    arguments'. Every documented command line parses, the trainer's through the trainer's parser."""
+    from bot.cli import PASSTHROUGH, build_parser
+    from pipeline.train.loop import parser as train_parser
+
+    commands = documented_commands()
+    assert any(c[0] == "train" for c in commands) and any(c[0] == "start" for c in commands)
+    for argv in (c for c in commands if "--help" not in c):
+        args, extra = build_parser().parse_known_args(argv)
+        if args.command in PASSTHROUGH:
+            train_parser().parse_args(extra)
+        else:
+            assert not extra, (argv, extra)

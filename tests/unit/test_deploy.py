@@ -3,8 +3,12 @@
 import configparser
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from handlers.slash import SUBCOMMANDS
@@ -88,6 +92,41 @@ def test_systemd_unit_runs_serve_and_never_kills_the_stages():
     assert "stages" in why and "restart" in why, "the unit says why KillMode=process"
     assert u["Install"]["WantedBy"] == "multi-user.target"
     assert not SECRETS & set(text.split("=")), "no secret values in the unit"
+
+
+def test_systemd_analyze_verifies_the_unit(tmp_path):
+    """systemd's own parser accepts every line (an unknown key is only a warning: none may appear). The
+    install paths are pointed at this checkout's, which exist here."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed on this host (Debian: apt-get install systemd)")
+    eagle3 = Path(sys.executable).parent / "eagle3"
+    text = text_of_unit().replace("/opt/eagle3-ops/.venv/bin/eagle3", str(eagle3))
+    (tmp_path / "eagle3.service").write_text(text)
+    res = subprocess.run([analyze, "verify", str(tmp_path / "eagle3.service")], capture_output=True, text=True,
+                         timeout=60)
+    ours = [line for line in (res.stdout + res.stderr).splitlines() if "eagle3.service" in line]
+    assert res.returncode == 0 and ours == [], res.stdout + res.stderr
+
+
+def restarts_after(u: configparser.ConfigParser, status: int) -> bool:
+    """Whether systemd restarts the service after `eagle3 serve` exits with `status` (Restart=on-failure:
+    any non-zero status, except those in RestartPreventExitStatus)."""
+    service = u["Service"]
+    assert service["Restart"] == "on-failure"
+    prevented = {int(v) for v in service.get("RestartPreventExitStatus", "").split()}
+    return status != 0 and status not in prevented
+
+
+def test_a_config_error_stops_the_unit_instead_of_restarting_it_every_5_s(tmp_path):
+    bad = tmp_path / "eagle3.toml"
+    bad.write_text("[monitor]\ntick_s = -1\n")
+    res = subprocess.run([sys.executable, "-m", "bot.cli", "serve", "--config", str(bad)], capture_output=True,
+                         text=True, timeout=60, cwd=DEPLOY.parent)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr  # one journal line: what, where
+    assert not restarts_after(unit(), res.returncode), "exit 2 (config) must not restart forever"
+    assert restarts_after(unit(), 1), "a crash still restarts"
+    assert "KillUserProcesses" in text_of_unit(), "the unit warns that stages started from a shell die at logout"
 
 
 def test_env_template_names_every_secret_without_values_and_says_mode_600():
