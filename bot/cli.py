@@ -237,15 +237,24 @@ def cmd_serve(args) -> int:
 
     from bot.service import serve
     from pipeline.config import find_config
-    level = getattr(logging, args.log_level.upper())
-    logging.basicConfig(level=min(level, logging.WARNING), format="%(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr, force=True)
-    logging.getLogger("eagle3").setLevel(level)  # libraries stay at WARNING unless debug is asked for
-    if level > logging.DEBUG:
-        for name in ("apscheduler", "slack_bolt", "slack_sdk"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    configure_logging(getattr(logging, args.log_level.upper()))
     return serve(load_workspace(find_config(args.config)), max_ticks=args.max_ticks,
                  http_port=args.port if args.http else None, host=args.host, metrics_port=args.metrics_port)
+
+
+LIBRARY_LOGGERS = ("apscheduler", "slack_bolt", "slack_sdk", "httpx", "httpcore", "urllib3")
+
+
+def configure_logging(level: int) -> None:
+    """serve's logging: eagle3's own at `level`; the libraries at WARNING unless debug is asked for (httpx
+    alone logs every probe request at INFO: about 17,000 journal lines a day at the default tick)."""
+    import logging
+
+    logging.basicConfig(level=min(level, logging.WARNING), format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr, force=True)
+    logging.getLogger("eagle3").setLevel(level)
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if level <= logging.DEBUG else logging.WARNING)
 
 
 @command("diagnose", "verdicts: of the live workspace, or --replay a recorded observation trace",

@@ -115,7 +115,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         return text, text_blocks(text)
     if verb == "gpus":
         gpus = status.first_gpus()
-        text = gpus_text(gpus)
+        text = gpus_text(gpus, why=None if gpus else status.gpus_gap())
         return text, text_blocks(f"```\n{text}\n```" if gpus else text)
     if verb == "chart":
         running = [n for n, st in status.stages.items() if st.running and n != "server"]

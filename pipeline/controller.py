@@ -284,16 +284,23 @@ class Controller:
 
     def _with_verdict(self, stage: str, proc: dict, st: StageStatus) -> StageStatus:
         v = self.store.verdict(stage)
+        alive = StageState(proc["state"]) in MAYBE_ALIVE_STATES
         if not v or v.get("proc_id") != proc["id"]:
+            if alive and proc["state"] != StageState.UNKNOWN:  # just started: the next tick observes it
+                return replace(st, verdict=Verdict.STARTING, reasons=("just started; not observed yet",))
             return replace(st, verdict=Verdict.UNKNOWN, reasons=("not observed yet",))
-        if proc["state"] == StageState.STOPPED and v.get("verdict") != Verdict.STOPPED:
+        if not alive and not v.get("final") and v.get("verdict") not in (Verdict.STOPPED, Verdict.DONE, Verdict.DEAD):
             # The verdict was made while it ran; until the next tick observes the end, say what is known.
-            v = {**v, "verdict": Verdict.STOPPED, "stuck": False, "eta_s": None, "eta_low_s": None, "eta_high_s": None,
-                 "reasons": [f"stopped on request ({proc['reason']})" if proc["stop_requested"] else proc["reason"]]}
+            stopped = proc["state"] == StageState.STOPPED
+            why = (f"stopped on request ({proc['reason']})" if proc["stop_requested"] else proc["reason"]) if stopped \
+                else f"ended ({proc['reason']}); its verdict comes with the next observation"
+            v = {**v, "verdict": Verdict.STOPPED if stopped else Verdict.UNKNOWN, "stuck": False, "eta_s": None,
+                 "eta_low_s": None, "eta_high_s": None, "reasons": [why]}
         obs = self.store.latest_observation(stage) or {}
         fields = {k: v.get(k) for k in VERDICT_KEYS if k not in ("verdict", "reasons")}
         return replace(st, observed=True, verdict=Verdict.of(v.get("verdict")), reasons=tuple(v.get("reasons") or ()),
-                       observed_at=v.get("t"), **fields, **{k: obs.get(k) for k in READING_KEYS})
+                       observed_at=v.get("t"), gaps=obs.get("unknown"), **fields,
+                       **{k: obs.get(k) for k in READING_KEYS})
 
     def state_version(self) -> str:
         """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""

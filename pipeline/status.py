@@ -58,6 +58,7 @@ class StageStatus:
     server: dict | None = None
     disk: dict | None = None
     progress: dict | None = None
+    gaps: dict | None = None  # why a reading is missing ({"gpus": "NVML not available: …"}); not in the JSON
 
     @property
     def started(self) -> bool:
@@ -119,6 +120,13 @@ class RunStatus:
     def first_gpus(self) -> list[dict] | None:
         """The first stage's GPU reading (they all read the same GPUs)."""
         return next((st.gpus for st in self.stages.values() if st.gpus), None)
+
+    def gpus_gap(self) -> str | None:
+        """Why there is no GPU reading: the probe's own reason, or that no stage is being observed."""
+        observed = [st for st in self.stages.values() if st.observed]
+        if not observed:
+            return "nothing is observed yet: no stage has been started, or `eagle3 serve` is not running"
+        return next(((st.gaps or {}).get("gpus") for st in observed if (st.gaps or {}).get("gpus")), None)
 
     def to_json(self) -> dict[str, Any]:
         """`eagle3 status --json`."""

@@ -14,7 +14,7 @@ from slack_sdk.models.blocks import (
 )
 
 from handlers.render.views import ago, plain_times, slack_time
-from pipeline.handoff.machine import CANCELLABLE, TRAINING
+from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
 from pipeline.status import RunStatus, StageStatus
 
 SECTION_LIMIT = 3000
@@ -123,8 +123,9 @@ def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
     value = json.dumps({"v": version})
     if auto in CANCELLABLE:
         buttons = [ButtonElement(text="Cancel auto-start", action_id=ACTION_CANCEL, value=value, style="danger")]
-    elif auto == TRAINING:
-        buttons = []
+    elif (auto in (TRAINING, TRAINING_DONE, TRAINING_FAILED) or status.run is None
+          or (status.stages.get("train") and status.stages["train"].running)):
+        buttons = []  # no run to hand off in, or training already ran or runs in it
     else:
         buttons = [ButtonElement(text="Auto-start training when extraction finishes", action_id=ACTION_AUTOSTART,
                                  value=value, style="primary")]

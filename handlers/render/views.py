@@ -44,7 +44,7 @@ def gpus_text(gpus: list[dict] | None, *, why: str | None = None) -> str:
     """gpustat-like: one line per GPU — index, name, utilisation, memory, power, temperature, holder.
     A reading NVML did not give is '?', never 0."""
     if not gpus:
-        return f"GPUs: no reading yet{f' ({why})' if why else ''}"
+        return f"GPUs: no reading{f' ({why})' if why else ' yet'}"
     q = lambda v, fmt: "?" if v is None else format(v, fmt)  # noqa: E731
     lines = []
     for g in gpus:
@@ -74,6 +74,15 @@ def stage_line(name: str, st: StageStatus) -> str:
     return "  ".join(parts)
 
 
+def outbox_line(box: dict) -> str:
+    """Undelivered Slack messages: those still retried, those Slack refused for good, and the last error."""
+    error = box.get("last_error")
+    parts = [f"{box['pending']} message(s) waiting to be delivered" if box.get("pending") else None,
+             f"{box['failed']} refused by Slack for good" if box.get("failed") else None]
+    return ("slack: " + ", ".join(p for p in parts if p)
+            + (f" (last error: {error}; {slack_hint(error)})" if error else ""))
+
+
 def status_text(status: RunStatus) -> str:
     """The whole `eagle3 status` text."""
     lines = [f"run: {status.run or 'none open'}"]
@@ -88,9 +97,7 @@ def status_text(status: RunStatus) -> str:
         lines.append(f"slack: the bot token was refused ({auth.get('error')}); {slack_hint(auth.get('error') or '')}")
     box = status.outbox
     if box.get("pending") or box.get("failed"):
-        error = box.get("last_error")
-        lines.append(f"slack: {box['pending']} message(s) waiting to be delivered, {box['failed']} refused by Slack"
-                     + (f" (last error: {error}; {slack_hint(error)})" if error else ""))
+        lines.append(outbox_line(box))
     for name, st in status.stages.items():
         lines.append(stage_line(name, st))
         if st.started and st.verdict:

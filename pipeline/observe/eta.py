@@ -141,7 +141,8 @@ class EtaEstimator:
         """The ETA, or None while the band would be meaningless."""
         self.why = None
         if self.intervals < self.EARLY_INTERVALS:
-            self.why = f"{self.intervals} span(s) of progress so far; an ETA needs {self.EARLY_INTERVALS}"
+            self.why = (f"{self.intervals} span(s) of progress observed since watching began; "
+                        f"an ETA needs {self.EARLY_INTERVALS}")
             return None
         if samples_left <= 0:
             return Eta(0.0, 0.0, 0.0)

@@ -61,6 +61,12 @@ class JobInfo:
             return f"{how}, killed by signal {self.signal}"
         return f"{how}, exit code {self.exit_code}" if self.exit_code is not None else how
 
+    def describe_stop(self) -> str:
+        """The end of a job we cancelled: Slurm's FAILED or CANCELLED for it is the stop, not a failure."""
+        how = (f"signal {self.signal}" if self.signal else
+               f"exit code {self.exit_code}" if self.exit_code is not None else "no exit status")
+        return f"ended after scancel ({how})"
+
 
 def missing_commands() -> list[str]:
     """The Slurm client commands not on PATH (sbatch, squeue, scontrol, scancel)."""

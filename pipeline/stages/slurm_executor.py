@@ -67,7 +67,7 @@ class SlurmExecutor:
         elif info.ended:
             target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
             transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code,
-                       signal=info.signal, reason=info.describe())
+                       signal=info.signal, reason=info.describe_stop() if proc["stop_requested"] else info.describe())
             close_run_after_training(self.store, proc, target)
         else:
             transition(self.store, proc, StageState.UNKNOWN, reason=f"Slurm job {proc['job_id']} is in state "

@@ -180,7 +180,7 @@ def test_a_fixable_refusal_waits_and_is_delivered_once_fixed(env, error):
         env["clock"]["t"] += 15
     assert len(fake.faults) == 1 and not fake.of("chat.postMessage")
     text = status_text(Controller(workspace=env["ws"], store=store).status(sample_if_unmonitored=False))
-    assert f"slack: 2 message(s) waiting to be delivered, 0 refused by Slack (last error: {error}" in text
+    assert f"slack: 2 message(s) waiting to be delivered (last error: {error}" in text
     assert {"not_in_channel": "invite the bot", "channel_not_found": "set [slack] channel",
             "missing_scope": "add the scope"}[error] in text
     for _ in range(4):  # still refused twice more, a minute apart; then Slack accepts
@@ -266,7 +266,7 @@ def test_status_says_how_many_messages_wait_and_why(env):
     n.tick(store)
     assert store.outbox_summary() == {"pending": 1, "failed": 1, "last_error": "HTTP 500"}
     text = status_text(RunStatus(run=None, outbox=store.outbox_summary(), stages={}))
-    assert "slack: 1 message(s) waiting to be delivered, 1 refused by Slack (last error: HTTP 500; " in text
+    assert "slack: 1 message(s) waiting to be delivered, 1 refused by Slack for good (last error: HTTP 500; " in text
 
 
 def test_alert_evidence_quoting_a_log_is_redacted(env, monkeypatch):

@@ -109,3 +109,22 @@ def test_the_documented_commands_parse_as_written():
             train_parser().parse_args(extra)
         else:
             assert not extra, (argv, extra)
+
+
+def test_serve_logs_no_library_request_lines_at_info():
+    import logging
+
+    from bot.cli import configure_logging
+
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        configure_logging(logging.INFO)
+        assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
+        assert logging.getLogger("eagle3.service").isEnabledFor(logging.INFO)
+        configure_logging(logging.DEBUG)
+        assert logging.getLogger("httpx").isEnabledFor(logging.DEBUG), "debug shows the libraries too"
+    finally:
+        for name in ("httpx", "httpcore", "urllib3", "apscheduler", "slack_bolt", "slack_sdk", "eagle3"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)

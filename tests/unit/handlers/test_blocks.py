@@ -33,4 +33,5 @@ def test_gpus_like_gpustat_with_unknowns_shown_as_unknown():
     first, second = text.splitlines()
     assert first == "[0] NVIDIA H200            |  97 % |  75,000 / 143,771 MB | 610 / 700 W | 61 °C | extract"
     assert "|   ? % |" in second and "? / ? W" in second and "? °C" in second and second.endswith("| -")
-    assert gpus_text(None, why="NVML unavailable") == "GPUs: no reading yet (NVML unavailable)"
+    assert gpus_text(None, why="NVML unavailable") == "GPUs: no reading (NVML unavailable)"
+    assert gpus_text(None) == "GPUs: no reading yet"

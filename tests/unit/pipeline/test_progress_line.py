@@ -26,7 +26,7 @@ def test_no_eta_before_three_intervals():
                         clock=lambda: clock["t"])
     clock["t"] = 6.0
     line.add(ok=True, tokens=1)
-    assert "no ETA yet (0 span(s) of progress so far; an ETA needs 3)" in out.getvalue()
+    assert "no ETA yet (0 span(s) of progress observed since watching began; an ETA needs 3)" in out.getvalue()
 
 
 def test_eta_line_gives_the_band_and_the_finish_time():

@@ -49,6 +49,11 @@ def test_slurms_exit_code_field(text, want):
     assert slurm._exit(text) == want
 
 
+def test_a_job_we_cancelled_is_described_as_stopped_not_failed():
+    info = slurm.JobInfo(state="FAILED", reason="JobLaunchFailure", signal=15)
+    assert info.describe_stop() == "ended after scancel (signal 15)" and "FAILED" not in info.describe_stop()
+
+
 def test_an_ended_job_is_described_with_slurms_state_and_reason():
     assert slurm.JobInfo(state="FAILED", reason="NonZeroExitCode", exit_code=3).describe() == (
         "Slurm: FAILED (NonZeroExitCode), exit code 3")
