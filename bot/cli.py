@@ -432,7 +432,8 @@ def cmd_eval_draft(args) -> int:
 @command("demo", "the whole story in a temporary toy workspace: extraction, auto-start, training, summary",
          example="eagle3 demo   |   eagle3 demo --slack-channel C0123456",
          args=(arg("--slack-channel", metavar="C…",
-                   help="post to this Slack channel as well (needs SLACK_BOT_TOKEN; default: the console transport)"),))
+                   help="post to this Slack channel instead of printing to the console (needs SLACK_BOT_TOKEN; default: "
+                        "the console transport)"),))
 def cmd_demo(args) -> int:
     from bot.demo import run_demo
     return run_demo(slack_channel=args.slack_channel)

@@ -66,13 +66,15 @@ KEY = "handoff"
 
 
 def handoff_state(store: Store) -> dict | None:
-    """The current run's handoff, or None (auto-start off). A handoff belongs to the run it was
-    armed in: once that run has closed it is history, whether or not a newer run is open. One
-    armed while no run was open (`run` None) is armed for the next run, which it joins."""
+    """The current run's handoff, or None (auto-start off). A handoff made for another run is
+    history once a newer run is open; with no run open, the last one still shows how it ended
+    (nothing advances it: completion reads only an open run's stages). One armed while no run was
+    open (`run` None) is armed for the next run, which it joins."""
     state = store.get(KEY)
     if not state:
         return None
-    if state.get("run") not in (None, store.current_run()):
+    run = store.current_run()
+    if run is not None and state.get("run") not in (None, run):
         return None
     return state
 
@@ -126,10 +128,9 @@ class Handoff:
     def arm(self, *, by: str) -> tuple[bool, dict]:
         """Create the handoff; a second arm is a no-op. Returns (created, state)."""
         with self.store.atomic():
-            state = self.state()
-            if state and state["step"] in FOLLOWED:
+            state, run = self.state(), self.store.current_run()
+            if state and state["step"] in FOLLOWED and state.get("run") in (None, run):  # not a closed run's
                 return False, state
-            run = self.store.current_run()
             self.store.put(KEY, {"run": run})  # a fresh handoff: nothing of the last one
             return True, self._set(ARMED, f"armed by {by}" + ("" if run else " for the next run"), armed_by=by,
                                    armed_at=self.clock(), train_floor=None, gpu_wait_since=None, train_proc_id=None,

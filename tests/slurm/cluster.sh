@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # A one-node Slurm cluster on this host for the tests: `cluster.sh up` (installs Debian's
 # slurm-wlm and munge when missing; needs root), `cluster.sh down`, `cluster.sh env` (prints the
-# SLURM_CONF line to export). Everything lives in $EAGLE3_SLURM_DIR (default /tmp/eagle3-slurm);
-# /etc/slurm is not touched, so a host's own Slurm configuration is left alone.
+# SLURM_CONF line to export). Everything lives in $EAGLE3_SLURM_DIR (default /tmp/eagle3-slurm),
+# munge included (its own key, socket and munged): /etc/slurm and /etc/munge are not touched, and a
+# munged or Slurm the host already runs is left alone. `down` stops only what `up` started here.
 set -euo pipefail
 
 DIR=${EAGLE3_SLURM_DIR:-/tmp/eagle3-slurm}
 CONF=$DIR/slurm.conf
 HOST=$(hostname -s)
+MUNGE=$DIR/munge
 export SLURM_CONF=$CONF
+CLUSTER=eagle3test
 
 say() { echo "cluster.sh: $*" >&2; }
 running() { [ -f "$DIR/$1.pid" ] && kill -0 "$(cat "$DIR/$1.pid")" 2>/dev/null; }
@@ -27,11 +30,12 @@ write_conf() {
     mkdir -p "$DIR/state" "$DIR/spool" "$DIR/gpus"
     for i in 0 1 2 3; do : >"$DIR/gpus/gpu$i"; done  # four fake GPUs: gres needs files, not devices
     cat >"$CONF" <<CONF
-ClusterName=eagle3test
+ClusterName=$CLUSTER
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=socket=$MUNGE/munge.socket
 SlurmctldPort=${EAGLE3_SLURM_PORT:-16817}
 SlurmdPort=$(( ${EAGLE3_SLURM_PORT:-16817} + 1 ))
 StateSaveLocation=$DIR/state
@@ -67,16 +71,12 @@ up() {
     if running slurmctld && running slurmd; then say "already up ($CONF)"; return 0; fi
     down >/dev/null 2>&1 || true  # half a cluster: start both afresh
     write_conf
-    if ! pgrep -x munged >/dev/null; then
-        [ -s /etc/munge/munge.key ] || mungekey --create --force >/dev/null 2>&1 || \
-            dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=128 2>/dev/null
-        mkdir -p /run/munge && chown munge:munge /run/munge 2>/dev/null || true
-        if id munge >/dev/null 2>&1; then
-            chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
-            su -s /bin/sh munge -c munged 2>>"$DIR/munged.log" || munged --force 2>>"$DIR/munged.log"
-        else
-            munged --force 2>>"$DIR/munged.log"
-        fi
+    if ! running munge/munged; then  # our own munged: its key and socket under $DIR, never /etc/munge's
+        mkdir -p "$MUNGE" && chmod 700 "$MUNGE"
+        [ -s "$MUNGE/munge.key" ] || dd if=/dev/urandom of="$MUNGE/munge.key" bs=1 count=1024 2>/dev/null
+        chmod 400 "$MUNGE/munge.key"
+        munged --force --key-file="$MUNGE/munge.key" --socket="$MUNGE/munge.socket" --pid-file="$MUNGE/munged.pid" \
+            --log-file="$MUNGE/munged.log" --seed-file="$MUNGE/munged.seed" 2>>"$DIR/munged.log"
     fi
     slurmctld -i 2>>"$DIR/slurmctld.err"  # -i: ignore state left by an earlier cluster in $DIR
     slurmd 2>>"$DIR/slurmd.err"
@@ -91,15 +91,18 @@ up() {
 }
 
 down() {
-    running slurmctld && scancel --full --signal=KILL -u root 2>/dev/null || true
-    for daemon in slurmd slurmctld; do
+    # only this cluster's jobs: SLURM_CONF is ours, and the controller that answers must be ours
+    if running slurmctld && scontrol show config 2>/dev/null | grep -Eq "^ClusterName +=  *$CLUSTER$"; then
+        scancel --full --signal=KILL -u root 2>/dev/null || true
+    fi
+    for daemon in slurmd slurmctld munge/munged; do
         running "$daemon" && kill "$(cat "$DIR/$daemon.pid")" 2>/dev/null || true
     done
     for _ in $(seq 1 50); do  # until both have exited: the next `up` may reuse their ports
-        running slurmd || running slurmctld || break
+        running slurmd || running slurmctld || running munge/munged || break
         sleep 0.1
     done
-    rm -f "$DIR/slurmd.pid" "$DIR/slurmctld.pid"
+    rm -f "$DIR/slurmd.pid" "$DIR/slurmctld.pid" "$MUNGE/munged.pid"
     say "down"
 }
 
