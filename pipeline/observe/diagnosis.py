@@ -69,6 +69,7 @@ class Diagnoser:
         self.ever_healthy = False
         self._baseline: tuple[float, CostModel | None] = (float("-inf"), None)
         self.slow = False
+        self.gpus_busy: tuple[float, str] | None = None  # (when, "GPUs 0–7 busy at 640 W"): the last such tick
 
     # --- bookkeeping ----------------------------------------------------------
     def _note_gap(self, gap: float) -> None:
@@ -153,17 +154,31 @@ class Diagnoser:
             a, b = win
             if a.written is not None and b.written is not None and b.written > a.written:
                 signs.append(f"{(b.written - a.written) / 1e6:.1f} MB written in the last {fmt_s(b.t - a.t)}")
-            if a.cpu_s is not None and b.cpu_s is not None and b.t > a.t:
-                share = (b.cpu_s - a.cpu_s) / (b.t - a.t)
-                if share >= self.policy.cpu_busy_share:
-                    signs.append(f"CPU busy ({share * 100:.0f} % of a core)")
-        busy = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_busy_at_power(g)]
-        if busy:
-            signs.append(f"GPUs {gpu_indices(busy)} busy at {max(num(g, 'power_w') or 0 for g in busy):.0f} W")
+            cpu = self._cpu_share(a, b)
+            tick = self._cpu_share(self.points[-2], b) if self.points[-2].t >= since else None
+            if cpu is not None and cpu >= self.policy.cpu_busy_share:
+                signs.append(f"CPU busy ({cpu * 100:.0f} % of a core)")
+            elif tick is not None and tick >= self.policy.cpu_busy_share:  # a burst the window's mean dilutes
+                signs.append(f"CPU busy in the last {fmt_s(b.t - self.points[-2].t)} ({tick * 100:.0f} % of a core)")
+        if self.gpus_busy and self.gpus_busy[0] == t:
+            signs.append(self.gpus_busy[1])
+        elif self.gpus_busy and self.gpus_busy[0] >= since and t - self.gpus_busy[0] <= self.policy.recent_activity_s:
+            signs.append(f"{self.gpus_busy[1]} {fmt_s(t - self.gpus_busy[0])} ago")
         running = self._running_requests(obs)
         if running and (signs or not self._gpus_idle(obs)):
             signs.append(f"server healthy with {running} request(s) running")
         return signs
+
+    @staticmethod
+    def _cpu_share(a: _Point, b: _Point) -> float | None:
+        if a.cpu_s is None or b.cpu_s is None or b.t <= a.t:
+            return None
+        return (b.cpu_s - a.cpu_s) / (b.t - a.t)
+
+    def _track_gpus(self, t: float, obs: dict) -> None:
+        busy = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_busy_at_power(g)]
+        if busy:
+            self.gpus_busy = (t, f"GPUs {gpu_indices(busy)} busy at {max(num(g, 'power_w') or 0 for g in busy):.0f} W")
 
     @staticmethod
     def _running_requests(obs: dict) -> int:
@@ -215,6 +230,7 @@ class Diagnoser:
             self.points.popleft()
         self._track_progress(t, prog)
         self._track_server(t, obs.get("server"))
+        self._track_gpus(t, obs)
         return self._judge(obs, t, proc, prog if isinstance(prog, dict) else {})
 
     def _base(self, t: float, prog: dict, **kw) -> VerdictRecord:

@@ -54,6 +54,11 @@ class Policy:
     baseline_window_s: float = 3600.0
     activity_window_s: float = 60.0
     cpu_busy_share: float = 0.25  # of one core
+    # Signs of work seen this recently still count: the tick after a giant prefill, the GPUs have just
+    # gone quiet while the client receives and parses the answer (a burst of CPU in the last tick that
+    # the activity window's average dilutes). Short enough that a wedged server (GPUs idle since its
+    # last progress) is still flagged at the stall floor.
+    recent_activity_s: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,10 @@ class Scenario:
     stage: str = "extract"
     giant_every: int = 0  # every Nth sample is a giant prompt
     giant_s: float = 300.0
+    # The last seconds of a giant prompt: its prefill is done (GPUs back to 0 %, 90 W) and the client
+    # receives and parses the multi-GB answer (half a core per tick) before the file appears.
+    parse_tail_s: float = 0.0
+    busy_power_w: float = 610.0
     checkpoint_every: int = 0  # training: a checkpoint pause every N steps
     checkpoint_s: float = 300.0
     slow_from_s: float | None = None
@@ -133,11 +137,13 @@ def simulate(sc: Scenario) -> Trace:
         requesting = i_done < sc.samples and ends[i_done] != math.inf
         # A giant prompt, or any request over 30 s, keeps the GPUs busy while it runs.
         in_flight = requesting and (durs[i_done][1] or durs[i_done][0] > 30)
+        parsing = in_flight and durs[i_done][1] and ends[i_done] - t < sc.parse_tail_s
         stalled = fault is not None and t >= fault and sc.stall_at_s is not None
         crashed = sc.crash_at_s is not None and t >= sc.crash_at_s
         exited0 = exit0_at is not None and t >= exit0_at
         finished = i_done >= sc.samples and not crashed
         cpu += 0.04 * (i_done - prev) + (0.0 if stalled or in_flight else 0.01 * sc.tick_s)
+        cpu += 0.5 * sc.tick_s if parsing and not stalled else 0.0
         new_bytes = sum(lengths[j] for j in range(prev, i_done)) * LAYERS * HIDDEN * 2
         if in_flight and sc.stage == "train":
             new_bytes += 2e8  # a checkpoint being written
@@ -156,8 +162,8 @@ def simulate(sc: Scenario) -> Trace:
                 o["progress"]["latency_moments"] = moments.to_json()
             hang = stalled and sc.stall_kind == "server-hang"
             wedged = stalled and sc.stall_kind == "server-wedged"
-            busy = in_flight and not stalled
-            util, power = (100.0, 95.0) if hang else ((100.0, 610.0) if busy else (0.0, 90.0))
+            busy = in_flight and not stalled and not parsing
+            util, power = (100.0, 95.0) if hang else ((97.0, sc.busy_power_w) if busy else (0.0, 90.0))
             o["gpus"] = [{"index": g, "util": util, "mem_used_mb": 75000, "power_w": power, "power_limit_w": 700.0}
                          for g in range(8)]
             o["server"] = {"healthy": not (hang and t >= fault + 20),
@@ -179,6 +185,9 @@ def standard_scenarios(samples: int = 3000) -> list[Scenario]:
         Scenario("checkpoint-pauses", samples=samples, stage="train", overhead_s=0.8, per_token_s=0.0,
                  checkpoint_every=500, checkpoint_s=360, seed=3),
         Scenario("slow-disk", samples=samples, slow_from_s=1500, seed=4),
+        # issue 31: 4–7 min prefills at 640 W, then 20 s of the client parsing the answer, GPUs quiet
+        Scenario("giant-prefill-parse", samples=samples, giant_every=400, giant_s=330, parse_tail_s=20,
+                 busy_power_w=640.0, seed=10),
         Scenario("server-hang", samples=samples, stall_at_s=1200, seed=5),
         Scenario("client-deadlock", samples=samples, stall_at_s=1200, stall_kind="client-deadlock", seed=6),
         Scenario("server-wedged", samples=samples, stall_at_s=1200, stall_kind="server-wedged", seed=9),

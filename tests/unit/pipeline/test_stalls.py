@@ -34,7 +34,7 @@ def test_requests_running_on_a_healthy_server_are_not_work_while_nothing_complet
 
 
 @pytest.mark.parametrize("name", ["giant-prompts", "checkpoint-pauses", "slow-disk", "healthy-idle-gpus",
-                                  "sorted-lengths"])
+                                  "sorted-lengths", "giant-prefill-parse"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_no_false_alarm_with_the_shorter_floor(name, seed):
     vs = verdicts(simulate(Scenario(**{**SCENARIOS[name].__dict__, "seed": seed})))
@@ -61,3 +61,66 @@ def test_a_write_seen_just_after_the_last_progress_does_not_hold_a_hang_off():
     vs = [d.feed(o) for o in obs]
     stalled = next(v for v in vs if v.verdict == "stalled")
     assert stalled.t - stalled.last_progress_at <= stalled.deadline_s + 3 * trace.scenario.tick_s, stalled.reasons
+
+
+def giant_prefill_trace() -> list[dict]:
+    """Issue 31's shape: a healthy extraction (a sample finishes every tick), then one giant prompt: 8 GPUs
+    at 97 % and 640 W for 4 minutes with nothing finished or written and the client's CPU flat; then the
+    GPUs quiet (0 %, 90 W) while the client receives and parses the 2.5 GB answer (its CPU rises 5 s per
+    10-s tick) for 20 s; then the file."""
+    obs, t, cpu, done, written = [], 1_790_000_000.0, 10.0, 0, 0.0
+
+    def tick(util: float, power: float, *, cpu_add: float, finished: int, nbytes: float) -> None:
+        nonlocal t, cpu, done, written
+        t, cpu, done, written = t + 10, cpu + cpu_add, done + finished, written + nbytes
+        obs.append({"t": t, "stage": "extract", "process": {"alive": True, "exit_code": None, "cpu_s": cpu},
+                    "progress": {"done": done, "failed": 0, "total": 1000, "tokens_done": done * 2000,
+                                 "tokens_total": 2_000_000, "unit": "samples"},
+                    "files": {"count": done, "bytes": written},
+                    "gpus": [{"index": g, "util": util, "mem_used_mb": 75000, "power_w": power,
+                              "power_limit_w": 700.0} for g in range(8)],
+                    "server": {"healthy": True, "running_reqs": 1, "queue_reqs": 0, "requests_total": len(obs)}})
+
+    for _ in range(60):  # ten healthy minutes
+        tick(35.0, 300.0, cpu_add=0.5, finished=1, nbytes=60e6)
+    for _ in range(24):  # the giant prefill
+        tick(97.0, 640.0, cpu_add=0.0, finished=0, nbytes=0.0)
+    for _ in range(2):  # the answer arrives and is parsed: GPUs quiet, client CPU busy
+        tick(0.0, 90.0, cpu_add=5.0, finished=0, nbytes=0.0)
+    tick(0.0, 90.0, cpu_add=1.0, finished=1, nbytes=2.5e9)  # the file
+    for _ in range(6):
+        tick(35.0, 300.0, cpu_add=0.5, finished=1, nbytes=60e6)
+    return obs
+
+
+def test_the_end_of_a_giant_prefill_is_no_stall_through_the_replay_contract(tmp_path, capsys):
+    """The tick after the GPUs go quiet used to read 'stalled: no progress for 4m00s … CPU time flat …
+    nothing written': the GPUs busy 10 s before counted for nothing, and the client's CPU burst was
+    averaged over the whole window. Replayed as `eagle3 diagnose --replay FILE --json` does."""
+    import json
+
+    from bot.cli import main
+
+    trace = tmp_path / "giant.jsonl"
+    trace.write_text("".join(json.dumps(o) + "\n" for o in giant_prefill_trace()))
+    assert main(["diagnose", "--replay", str(trace), "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == len(giant_prefill_trace())
+    assert [x for x in lines if x["verdict"] in ("stalled", "dead") or x["stuck"]] == []
+    quiet = lines[84]  # the first tick with the GPUs quiet
+    assert quiet["verdict"] == "progressing" and "busy at 640 W 10s ago" in quiet["reasons"][0], quiet
+    assert "CPU busy in the last 10s" in lines[85]["reasons"][0], lines[85]
+
+
+def test_a_server_wedged_after_a_busy_prefill_is_still_flagged_within_90_s():
+    """The GPUs' recent busy tick holds a stall off for one or two ticks only: GPUs that stay quiet with
+    nothing parsed (no CPU), nothing written and no progress are a hang at the floor."""
+    obs = giant_prefill_trace()[:85]  # up to the first quiet tick, then nothing more happens
+    t, cpu = obs[-1]["t"], obs[-1]["process"]["cpu_s"]
+    for k in range(1, 13):
+        obs.append({**obs[-1], "t": t + 10 * k, "process": {"alive": True, "exit_code": None, "cpu_s": cpu}})
+    d = Diagnoser(stage="extract", policy=Policy(stall_floor_s=60))
+    vs = [d.feed(o) for o in obs]
+    quiet_since = obs[84]["t"] - 10  # the GPUs' last busy tick
+    stalled = next(v for v in vs if v.verdict == "stalled")
+    assert stalled.t - quiet_since <= 40, (stalled.t - quiet_since, stalled.reasons)
