@@ -165,6 +165,7 @@ LONGEST_FIRST = (
     "test_production_path.py::test_the_guides_production_path",
     "test_handoff.py::test_service_death_at_each_step",
     "test_train.py::test_torchrun_learns_the_target",
+    "test_operating.py::test_stop_start_crash_and_relaunch",
     "test_drills.py::test_kill_9_of_serve",
     "test_drills.py::test_disk_full_mid_run",
     "test_drills.py::test_server_crash_mid_extraction",

@@ -78,11 +78,13 @@ def _lengths(sc: Scenario, rng: random.Random) -> list[int]:
     order = "ascending" if sc.sort_by_length else sc.order
     if order in ("ascending", "descending"):
         return sorted(lengths, reverse=order == "descending")
-    if order == "bucketed":
+    if order in ("bucketed", "random-buckets"):  # buckets of similar length, ascending or in random order
         ranked, size = sorted(lengths), -(-len(lengths) // sc.buckets)
+        buckets = [ranked[i:i + size] for i in range(0, len(ranked), size)]
+        if order == "random-buckets":
+            rng.shuffle(buckets)
         out = []
-        for i in range(0, len(ranked), size):
-            bucket = ranked[i:i + size]
+        for bucket in buckets:
             rng.shuffle(bucket)
             out += bucket
         return out

@@ -1,6 +1,6 @@
 """Operating it for real (issue 30): training stopped, started again, crashed and relaunched resumes at
-its saved step within its run; --fresh moves the old training aside. The real trainer under the real
-runner (one process: the real torchrun pair is test_train's)."""
+its saved step within its run; the next run's training sets the last one's aside, as --fresh does. The
+real trainer under the real runner (one process: the real torchrun pair is test_train's)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pipeline.config import load_workspace
 from pipeline.store import Store
 from tests.conftest import eagle3, status_json, toml_list, wait_for
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(240)
 SMALL = ["--token-budget", "1024", "--ttt", "3", "--lr", "1e-2"]
 
 
@@ -49,7 +49,8 @@ def train_ws(tmp_path, toy_extraction):
     eagle3("stop", "--all", "--grace", "5", "--config", str(cfg))
 
 
-def test_stop_start_crash_and_relaunch_resume_training_and_fresh_sets_it_aside(train_ws):
+@pytest.mark.slow
+def test_stop_start_crash_and_relaunch_resume_training_and_another_runs_is_set_aside(train_ws):
     cfg, ckpt = train_ws, train_ws.parent / "ckpt"
     started = eagle3("start", "train", "--force", "--config", str(cfg))
     assert started.returncode == 0, started.stderr
@@ -86,10 +87,41 @@ def test_stop_start_crash_and_relaunch_resume_training_and_fresh_sets_it_aside(t
     done = steps(ckpt)
     assert done == list(range(1, len(done) + 1)), "no step repeated or skipped across stop, start and the crash"
 
-    # --fresh: the earlier training goes to OUT/previous/<time>/ whole, and training starts at step 1
-    fresh = eagle3("start", "train", "--fresh", "--force", "--config", str(cfg))
-    assert fresh.returncode == 0, fresh.stderr
-    assert "moved the earlier training's files to" in fresh.stdout
+    # the next run (stop --all closed this one): this run's checkpoint is another run's, so the trainer
+    # moves it whole to OUT/previous/<time>/ and starts at step 1 — never resuming another run's training
+    assert eagle3("stop", "--all", "--grace", "60", "--config", str(cfg)).returncode == 0
+    old_umask = os.umask(0o022)
+    try:
+        assert eagle3("start", "train", "--force", "--config", str(cfg)).returncode == 0
+    finally:
+        os.umask(old_umask)
+    assert status_json(cfg)["run"] != run
+    wait_for(lambda: f"belongs to run {run}, not to this run" in log_text(cfg), timeout=120, interval=0.2,
+             what="the new run's trainer to set the last run's training aside")
+    wait_for(lambda: (saved_step(ckpt) or 0) >= 2, timeout=120, interval=0.2, what="a checkpoint at step 2 of the new run")
+    assert steps(ckpt)[:2] == [1, 2]
     (aside,) = (ckpt / "previous").iterdir()
     assert steps(aside) == done and saved_step(aside) is not None
-    wait_for(lambda: steps(ckpt)[:2] == [1, 2], timeout=120, interval=0.2, what="a fresh start")
+    # files another user must read honour the umask (safetensors alone would make them 0600)
+    model = ckpt / "checkpoints" / "step_2" / "model.safetensors"
+    assert model.stat().st_mode & 0o777 == 0o644
+
+
+def test_start_train_fresh_moves_the_earlier_training_aside(tmp_path):
+    """`eagle3 start train --fresh`: the controller moves OUT's training files aside before the start
+    (a stand-in trainer: the real one's resume is the test above)."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "checkpoints" / "step_4").mkdir(parents=True)
+    (ckpt / "latest").write_text("step_4\n")
+    (ckpt / "progress.jsonl").write_text('{"step": 1}\n')
+    (ckpt / "keep.txt").write_text("not the trainer's")
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(f'[stages.train]\nargv = {toml_list([sys.executable, "-c", "pass"])}\nout = "ckpt"\n')
+    refused = eagle3("start", "extract", "--fresh", "--config", str(cfg))
+    assert refused.returncode == 2 and "--fresh is for training" in refused.stderr
+    fresh = eagle3("start", "train", "--fresh", "--force", "--config", str(cfg))
+    assert fresh.returncode == 0, fresh.stderr
+    (aside,) = (ckpt / "previous").iterdir()
+    assert f"moved the earlier training's files to {aside}" in fresh.stdout
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "latest", "progress.jsonl"]
+    assert (ckpt / "keep.txt").exists() and not (ckpt / "latest").exists()

@@ -229,8 +229,8 @@ def test_help_lists_commands():
 def test_train_is_guarded_but_force_supervises_it_like_any_stage(make_workspace):
     cfg = make_workspace({"train": fixture_argv("exit3.py")})
     refused = eagle3("start", "train", "--config", str(cfg))
-    assert refused.returncode == 2 and "refusing to start training: extraction is 0 % done" in refused.stderr
+    assert refused.returncode == 2 and "refusing to start training: no run is open" in refused.stderr
     assert eagle3("start", "train", "--force", "--config", str(cfg)).returncode == 0
     st = wait_for(lambda: (s := stage_state(cfg, "train"))["state"] == "exited" and s, what="train to exit")
     assert st["exit_code"] == 3
-    assert status(cfg)["run"] is None, "training's end closes the run"
+    assert status(cfg)["run"] == st["run"], "a failed training keeps its run open: a restart resumes in it"

@@ -85,44 +85,6 @@ def copy_data(src: Path, dst: Path) -> Path:
     return dst
 
 
-def steps_of(ckpt: Path) -> list[int]:
-    return [r["step"] for r in progress(ckpt)]
-
-
-def test_a_training_resumes_by_default_sets_another_runs_aside_and_honours_the_umask(toy_extraction, tmp_path,
-                                                                                     monkeypatch, capsys):
-    """Issue 30: a start resumes the same run's checkpoint (steps never repeat); an earlier run's, or
-    --fresh, is moved to OUT/previous/<time>/ and training starts at step 1 (nothing mixed, nothing
-    deleted); every file another user must read is 0644 under umask 022."""
-    ckpt = tmp_path / "ckpt"
-    args = ["--data", str(toy_extraction["out"]), "--target-model", str(toy_extraction["target"]), "--out", str(ckpt),
-            *SMALL, "--save-every", "2"]
-    old_umask = os.umask(0o022)
-    try:
-        monkeypatch.setenv("EAGLE3_RUN", "r1")
-        assert train_main([*args, "--steps", "3"]) == 0
-        assert train_main([*args, "--steps", "5"]) == 0
-        out = capsys.readouterr().out
-        assert "resumed from step 3" in out and steps_of(ckpt) == [1, 2, 3, 4, 5]
-        for f in (ckpt / "checkpoints" / "step_5" / "model.safetensors", ckpt / "draft" / "model.safetensors",
-                  ckpt / "progress.jsonl"):
-            assert f.stat().st_mode & 0o777 == 0o644, f
-
-        monkeypatch.setenv("EAGLE3_RUN", "r2")  # the next run's training, same --out
-        assert train_main([*args, "--steps", "2"]) == 0
-        out = capsys.readouterr().out
-        assert "belongs to run r1, not to this run (r2)" in out and "starting at step 1" in out
-        assert steps_of(ckpt) == [1, 2] and (ckpt / "latest").read_text().strip() == "step_2"
-        (aside,) = (ckpt / "previous").iterdir()
-        assert (aside / "latest").read_text().strip() == "step_5" and steps_of(aside) == [1, 2, 3, 4, 5]
-
-        assert train_main([*args, "--steps", "2", "--fresh"]) == 0
-        assert "--fresh: moved the earlier training's files" in capsys.readouterr().out
-        assert len(list((ckpt / "previous").iterdir())) == 2 and steps_of(ckpt) == [1, 2]
-    finally:
-        os.umask(old_umask)
-
-
 def test_wrong_shape_stops_before_step_1_naming_file_and_tensor(toy_extraction, tmp_path, capsys):
     data = copy_data(toy_extraction["out"], tmp_path / "data")
     f = data / "hidden_states" / "hs_5.safetensors"
