@@ -41,7 +41,9 @@ def test_torchrun_learns_the_target_and_a_sigterm_then_resume_matches_the_uninte
     """Run a: 30 steps uninterrupted (it learns; the export loads); run b, beside it: the same run stopped
     by SIGTERM after 8 steps, then resumed (`--lm-head`, the older name of `--target-model`)."""
     data, target = str(toy_extraction["out"]), str(toy_extraction["target"])
+    old_umask = os.umask(0o022)  # inherited by the trainers: their files must be readable by others (issue 30)
     a = torchrun("--data", data, "--target-model", target, "--steps", "30", *SMALL, "--out", str(tmp_path / "a"))
+    os.umask(old_umask)
     common = ["--data", data, "--lm-head", target, "--steps", "30", *SMALL]
     b = torchrun(*common, "--out", str(tmp_path / "b"))
     wait_for(lambda: len(progress(tmp_path / "b")) >= 8, timeout=200, what="8 steps of run b")
@@ -70,6 +72,8 @@ def test_torchrun_learns_the_target_and_a_sigterm_then_resume_matches_the_uninte
     assert (ckpt / "latest").read_text().strip() == "step_30"
     from pipeline.draft.sglang import check_export
     assert check_export(ckpt / "draft") == []
+    for f in (ckpt / "draft" / "model.safetensors", step / "model.safetensors"):
+        assert f.stat().st_mode & 0o777 == 0o644, f  # an SGLang server running as another user loads it
     assert f"--speculative-draft-model-path {ckpt / 'draft'}" in out
 
     # run b resumed where it stopped and then matched run a step for step

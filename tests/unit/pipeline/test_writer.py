@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -71,3 +72,17 @@ def test_the_extraction_client_starts_without_torch():
     code = "import sys, pipeline.extract.client, bot.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_a_sample_file_gets_the_mode_the_umask_allows(tmp_path, mask, mode):
+    """safetensors creates its files 0600 whatever the umask: a trainer running as another user could
+    not read the hidden states (issue 30)."""
+    old = os.umask(mask)
+    try:
+        path = tmp_path / "hs_0.safetensors"
+        write_sample(path, tensors_for(token_ids=[1, 2], rows=np.zeros((2, 8), np.float32), layers=2, dtype="bf16",
+                                       topk=None), {})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == mode
