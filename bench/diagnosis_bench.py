@@ -39,7 +39,7 @@ def _score(sc: Scenario) -> dict:
 ETA_WORKLOADS = [("shuffled", 1.4e-8, "latency"), ("ascending", 1.4e-8, "latency"), ("shuffled", 1.5e-7, "latency"),
                  ("ascending", 1.5e-7, "latency"), ("bucketed", 1.5e-7, "latency"), ("descending", 1.5e-7, "latency"),
                  ("bucketed", 1.5e-7, "sq"), ("shuffled", 1.5e-7, "tokens"), ("ascending", 1.5e-7, "tokens"),
-                 ("bucketed", 1.5e-7, "tokens"), ("descending", 1.5e-7, "tokens")]
+                 ("bucketed", 1.5e-7, "tokens"), ("random-buckets", 1.5e-7, "tokens"), ("descending", 1.5e-7, "tokens")]
 CARRIES = {"latency": {}, "sq": {"with_latency": False}, "tokens": {"with_latency": False, "with_sq": False}}
 
 

@@ -337,7 +337,8 @@ class Diagnoser:
         tokens_left = tok_total - tok_done if tok_total is not None and tok_done is not None else None
         sq_total, sq_done = num(prog, "tokens_sq_total"), num(prog, "tokens_sq_done")
         sq_left = sq_total - sq_done if sq_total is not None and sq_done is not None else None
-        est = self.eta.estimate(samples_left=total - done - failed, tokens_left=tokens_left, tokens_sq_left=sq_left)
+        est = self.eta.estimate(samples_left=total - done - failed, tokens_left=tokens_left, tokens_sq_left=sq_left,
+                                done_share=(done + failed) / total)
         if est is None:
             return {"eta_note": self.eta.why} if self.eta.why else {}
         return {"eta_s": est.eta_s, "eta_low_s": est.low_s, "eta_high_s": est.high_s}

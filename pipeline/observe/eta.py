@@ -65,6 +65,10 @@ class EtaEstimator:
     SPANS_PER_RUN = 60.0
     SPAN_MIN_S, SPAN_MAX_S = 20.0, 300.0
     EXTRAPOLATION_LIMIT = 3.5  # the prompts left may be this much longer than the longest span's
+    # From a quarter of the work on an estimate is always given: "4–7 h" is an answer, "unknown" is not
+    # (the seed's operator asked at 49 %). Before it, a guess may still be withheld, with its reason.
+    ANSWER_FROM_SHARE = 0.25
+    SPREAD_BOUND = 2.0  # Σtokens² · n / (Σtokens)² of the prompts left at most: a coefficient of variation of 1
     MIN_LATENCY_SAMPLES = 50
     LATENCY_BAND_SD = 3.0  # the latency fit's band: three standard errors of its sum over the work left
     # The prompts left may be this much longer (RMS) than those timed so far: beyond, the quadratic term is
@@ -78,6 +82,7 @@ class EtaEstimator:
         self.intervals = 0  # spans fitted
         self.first_t: float | None = None
         self.why: str | None = None  # why the last estimate was withheld
+        self._answer = False  # past ANSWER_FROM_SHARE: never withhold for width or extrapolation
         self._open: list | None = None  # [dt, samples, tokens, tokens_sq] not yet closed into a span
         self.widest = 0.0  # the longest span's typical prompt (√(Σtokens²/samples), or tokens/samples)
         # the latency path: the cost's shape from every sample's own latency (all of the run: the
@@ -137,9 +142,11 @@ class EtaEstimator:
             self.shape.add_profile(profile)
 
     def estimate(self, *, samples_left: float, tokens_left: float | None,
-                 tokens_sq_left: float | None = None) -> Eta | None:
-        """The ETA, or None while the band would be meaningless."""
+                 tokens_sq_left: float | None = None, done_share: float | None = None) -> Eta | None:
+        """The ETA, or None while the band would be meaningless. From ANSWER_FROM_SHARE of the work on
+        (`done_share`), an estimate is always given, with a band as wide as what is not known."""
         self.why = None
+        self._answer = done_share is not None and done_share >= self.ANSWER_FROM_SHARE
         if self.intervals < self.EARLY_INTERVALS:
             self.why = (f"{self.intervals} span(s) of progress observed since watching began; "
                         f"an ETA needs {self.EARLY_INTERVALS}")
@@ -160,6 +167,9 @@ class EtaEstimator:
             return None
         eta = 0.5 * short + 0.5 * long
         spread = [short, long]
+        if sq_range is not None and self._answer:  # past a quarter: the bounds of what is not known
+            k2n = tokens_left * tokens_left / samples_left  # Σtokens² left: all prompts alike …
+            sq_range = (min(sq_range[0], k2n), sq_range[1], max(sq_range[2], self.SPREAD_BOUND * k2n))  # … to CV 1
         if sq_range is not None:  # the estimate of Σtokens² left is a guess: its bounds widen the band
             for q in (sq_range[0], sq_range[2]):
                 spread += [self.short.predict(samples=samples_left, tokens=tokens_left, tokens_sq=q) or eta,
@@ -168,7 +178,7 @@ class EtaEstimator:
         # (from the same fit) does not know it: seen only 700-token prompts, 3,000-token ones to come.
         ahead = (math.sqrt(tokens_sq_left / samples_left) if tokens_sq_left is not None
                  else (tokens_left / samples_left if tokens_left is not None else None))
-        if ahead is not None and self.widest > 0 and ahead > self.EXTRAPOLATION_LIMIT * self.widest:
+        if ahead is not None and self.widest > 0 and ahead > self.EXTRAPOLATION_LIMIT * self.widest and not self._answer:
             self.why = (f"withheld: the prompts left are {ahead / self.widest:.1f}× longer than any seen so far "
                         f"(typical {ahead:,.0f} tokens against {self.widest:,.0f}); the cost fit would be a guess "
                         f"until the work reaches longer prompts")
@@ -200,7 +210,7 @@ class EtaEstimator:
             self.why = "the latency fit has no term for the work left"
             return None
         timed, ahead = self.shape.timed_rms() or 0.0, math.sqrt(q / n)
-        if ahead > self.LATENCY_EXTRAPOLATION_LIMIT * timed:
+        if ahead > self.LATENCY_EXTRAPOLATION_LIMIT * timed and not self._answer:
             self.why = (f"withheld: the prompts left are {ahead / timed:.1f}× longer than those timed so far "
                         f"(RMS {ahead:,.0f} tokens against {timed:,.0f}); the cost of long prompts would be a "
                         f"guess until the work reaches longer ones")
@@ -225,8 +235,10 @@ class EtaEstimator:
         why, where the band is too wide to tell anything."""
         low = min(*estimates, eta - margin) / 1.05
         high = max(*estimates, eta + margin) * 1.05
+        if low <= 0 and self._answer:  # the fit's error reaches zero: the lowest estimate bounds it instead
+            low = min(e for e in (*estimates, eta) if e > 0) / 1.05
         cap = self.EARLY_BAND_RATIO if self.intervals < self.MIN_INTERVALS else self.MAX_BAND_RATIO
-        if low <= 0 or high / low > cap:
+        if low <= 0 or (high / low > cap and not self._answer):
             self.why = (f"withheld: the work left is unlike the work done so far (e.g. longer prompts to come), "
                         f"so the estimate could be anywhere from {fmt_s(max(low, 0.0))} to {fmt_s(high)}")
             return None

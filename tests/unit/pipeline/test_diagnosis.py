@@ -207,3 +207,20 @@ def test_eta_from_token_counts_alone_holds_on_sorted_superlinear_work(order):
         assert errors["band"][cp] in (None, 1.0), (cp, errors)
     if order == "ascending":
         assert errors["average-rate"][50] > 0.3
+
+
+@pytest.mark.parametrize("order", ["bucketed", "random-buckets"])
+def test_eta_from_token_counts_alone_is_given_from_a_quarter_with_its_band(order):
+    """Issue 31: on length-bucketed data with token counts only, the ETA was withheld until 50–75 %
+    (the seed's operator asked at 49 %). From a quarter of the work on there is an estimate on every
+    seed; its band widens by what Σtokens² of the work left may be (all prompts alike to CV 1). On buckets
+    in ascending order the band holds the truth from half way; on buckets in random order it does not yet
+    on every seed (issue 31 stays open for it: see bench/RESULTS.md)."""
+    for seed in (0, 1):
+        sc = Scenario("eta", samples=6000, order=order, per_token2_s=1.5e-7, with_sq=False, with_latency=False,
+                      seed=seed)
+        errors = eta_errors(simulate(sc))
+        for cp in (25, 50, 75):
+            assert errors["eagle3"][cp] is not None, (order, seed, cp)
+        for cp in (50, 75) if order == "bucketed" else ():
+            assert errors["band"][cp] == 1.0, (order, seed, cp, errors)
