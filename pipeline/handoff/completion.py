@@ -51,7 +51,6 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     if proc is None:  # the manifest on disk, if any, is an earlier run's: not this run's progress
         c.missing.append("extraction has not run in this run" if run else
                          "no run is open (extraction has not run since the last run closed)")
-        c.complete = False
         return c
     out = ws.resolve(ws.stage("extract").out)
     reading = read_manifest(out, clock=store.clock)
