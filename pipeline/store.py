@@ -110,7 +110,9 @@ class Store:
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = FULL")
             self.db = Database(conn)
-            migrations.apply(self.db)
+            if not existed or migrations.pending(self.db):
+                with self.atomic():  # IMMEDIATE: a second process opening a store being created waits for it
+                    migrations.apply(self.db)
         except sqlite3.DatabaseError as exc:
             raise StoreError(
                 f"{self.path}: not a usable eagle3 store ({exc}); move it aside to keep its evidence, "
@@ -119,7 +121,7 @@ class Store:
 
     def _check_existing(self, conn: sqlite3.Connection, *, integrity: bool) -> None:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if "_sqlite_migrations" not in tables:
+        if tables and "_sqlite_migrations" not in tables:  # none at all: another process is creating it
             raise sqlite3.DatabaseError("it holds no eagle3 schema")
         if integrity and conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
             raise sqlite3.DatabaseError("integrity check failed")

@@ -1,6 +1,7 @@
 """The state store: migrations, WAL, corrupt files, runs."""
 
 import sqlite3
+from pathlib import Path
 
 import pytest
 from sqlite_utils import Database
@@ -110,3 +111,33 @@ def test_thinning_is_incremental_and_keeps_one_per_bucket(tmp_path):
     check(t0 + 3 * day)
     assert times("train") == times("extract")
     store.close()
+
+
+def _open_at(path: str, start, errors) -> None:
+    start.wait()
+    try:
+        Store(Path(path)).close()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        errors.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_processes_opening_a_new_store_at_once_all_get_it(tmp_path):
+    """`eagle3 serve` creating the store while a CLI command opens it (the Slurm kill -9 test saw
+    'it holds no eagle3 schema'): the first creates it in one IMMEDIATE transaction, the others wait."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for round_ in range(8):
+        path, start, errors = tmp_path / f"s{round_}.sqlite", ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_open_at, args=(str(path), start, errors)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        start.set()
+        for p in procs:
+            p.join(30)
+        found = [errors.get(timeout=1) for _ in range(errors.qsize())] if not errors.empty() else []
+        assert found == [] and all(p.exitcode == 0 for p in procs), (round_, found)
+        store = Store(path)
+        assert {m.name for m in migrations.applied(store.db)} == {m.name for m in migrations.pending(Database(
+            sqlite3.connect(":memory:")))}
+        store.close()
