@@ -17,11 +17,6 @@ TRAINING_FILES = ("checkpoints", "latest", "progress.jsonl", "validation.jsonl",
 RUN_ENV = "EAGLE3_RUN"  # the run a stage belongs to (stages/host.py sets it); each checkpoint records it
 
 
-def holds_training(out: Path) -> bool:
-    """True when `out` holds anything an earlier training wrote."""
-    return any((Path(out) / name).exists() for name in TRAINING_FILES)
-
-
 def set_aside(out: Path, *, now: float | None = None) -> Path | None:
     """Move an earlier training's files in `out` to OUT/previous/<UTC time>/ (never deleting);
     returns where they went, or None when there was nothing to move."""
