@@ -114,9 +114,21 @@ def _wait_for_training(ctl: Controller, notifier, interrupted: threading.Event) 
             notifier.post_status(ctl.store, st, ctl.state_version())
         tr = st.stages["train"]
         if tr.state in ("exited", "stopped", "unknown"):
-            return tr.state == "exited" and tr.exit_code == 0
+            ok = tr.state == "exited" and tr.exit_code == 0
+            if not ok:
+                _say(f"   training ended: {tr.reason}; its log ends: {_last_line(ctl)}")
+            return ok
     _say(f"   training did not finish within {TIMEOUT_S:.0f} s")
     return False
+
+
+def _last_line(ctl: Controller) -> str:
+    """The training log's last line that says something (a failing rank's own error, under torchrun)."""
+    _, lines = ctl.logs("train", lines=40)
+    said = [line.strip() for line in lines if line.strip()]
+    ours = [line for line in said if "train:" in line]  # the trainer's own one-line errors, whichever rank
+    errors = [line for line in said if "Error" in line]  # else a traceback's last word
+    return (ours or errors or said or ["(empty)"])[-1]
 
 
 def _summary(root: Path, ws, started: float) -> None:

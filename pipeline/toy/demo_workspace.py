@@ -73,7 +73,8 @@ restart_backoff_s = 1
 [stages.train]
 argv = {json.dumps(train)}
 out = "ckpt"
-env = {{ MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS = "1" }}
+# the toy trains on the CPU whatever GPUs the host has (a 2-process run on a 1-GPU host would ask for cuda:1)
+env = {{ MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS = "1", CUDA_VISIBLE_DEVICES = "" }}
 """
 
 

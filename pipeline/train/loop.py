@@ -32,6 +32,10 @@ class TrainError(UserError):
     exit_code = 3
 
 
+class RankDeviceError(UserError):
+    """This rank has no GPU of its own: said by the rank itself (the others may be fine)."""
+
+
 def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) -> argparse.ArgumentParser:
     """The trainer's arguments (also `eagle3 train`, which names itself and its example)."""
     p = argparse.ArgumentParser(prog=prog, description="Train an EAGLE-3 draft head.", epilog=epilog,
@@ -66,13 +70,25 @@ def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) ->
     return p
 
 
+def rank_device(local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK where CUDA is available, refusing a rank past the visible GPUs in one line (a
+    2-process demo on a 1-GPU workstation asked for cuda:1 and died with a CUDA traceback); else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise RankDeviceError(f"rank {local_rank} needs cuda:{local_rank} but {visible} GPU(s) are visible; use "
+                              f"--nproc-per-node {visible} or set CUDA_VISIBLE_DEVICES (\"\" to train on the CPU)")
+    return torch.device(f"cuda:{local_rank}")
+
+
 class Dist:
     """torch.distributed when launched by torchrun; a no-op single process otherwise."""
 
     def __init__(self) -> None:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        self.device = rank_device(int(os.environ.get("LOCAL_RANK", 0)))
         if self.world > 1:
             if self.device.type == "cpu":
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never bind another interface
@@ -346,6 +362,6 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m pipeline.train
     try:
         return run(args)
     except UserError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0 or isinstance(exc, RankDeviceError):
             print(f"train: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

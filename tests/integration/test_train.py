@@ -235,3 +235,30 @@ def test_loss_mask_travels_from_the_dataset_to_the_training_target(tmp_path):
 def _toy_target(tmp_path: Path) -> Path:
     from pipeline.toy.model import export_target
     return export_target(tmp_path / "target")
+
+
+def test_a_rank_past_the_visible_gpus_is_refused_in_one_line_by_that_rank(monkeypatch, capsys, tmp_path):
+    """Issue 32: on a 1-GPU H200 the demo's 2-process training asked for cuda:1 and died with a CUDA
+    traceback. Made to see one GPU, rank 1 says why in one line (rank 0 would say nothing of it)."""
+    from pipeline.train.loop import RankDeviceError, rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rank_device(0) == torch.device("cuda:0")
+    with pytest.raises(RankDeviceError, match=r"rank 1 needs cuda:1 but 1 GPU\(s\) are visible; use --nproc-per-node 1"):
+        rank_device(1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    assert train_main(["--data", str(tmp_path), "--out", str(tmp_path / "c"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train: rank 1 needs cuda:1"), err
+
+
+def test_the_demo_trains_on_the_cpu_whatever_gpus_the_host_has(tmp_path):
+    from pipeline.config import load_workspace
+    from pipeline.stages.host import stage_env
+    from pipeline.toy.demo_workspace import config_text
+
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(config_text(python=sys.executable, port=30000, steps=10))
+    assert stage_env(load_workspace(cfg), "train")["CUDA_VISIBLE_DEVICES"] == ""

@@ -84,3 +84,14 @@ def test_undelivered_messages_are_counted_without_contradiction(ctl):
     assert "slack: 1 message(s) waiting to be delivered (last error: not_in_channel" in text
     assert "refused" not in text.split("last error")[0]
     assert json.loads(json.dumps(ctl.status(sample_if_unmonitored=False).to_json()))["outbox"]["pending"] == 1
+
+
+def test_a_failed_demo_training_names_the_failing_ranks_last_line(ctl):
+    from bot.demo import _last_line
+
+    log = ctl.ws.log_path("train")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("train: 154 train / 6 validation samples\n[rank1]: train: rank 1 needs cuda:1 but 1 GPU(s) are "
+                   "visible\nE1204 torch.distributed.elastic: failed (exitcode: 2)\ntorch.distributed.elastic.multiprocessing."
+                   "errors.ChildFailedError:\n\n")
+    assert _last_line(ctl) == "[rank1]: train: rank 1 needs cuda:1 but 1 GPU(s) are visible"
