@@ -20,7 +20,8 @@ from tests.conftest import ROOT, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline.train"]
-ENV = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+ENV = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+           CUDA_VISIBLE_DEVICES="")  # 2 CPU processes whatever GPUs the host has (a 1-GPU host has no cuda:1)
 # Small batches and a short unroll: a seventh of the CPU of the defaults (22 CPU-s for 80 steps, measured),
 # and the draft still learns (kl 7.4 → 0.7, top-1 0.54 against a 0.014 baseline).
 SMALL = ["--token-budget", "1024", "--ttt", "3", "--lr", "1e-2"]
