@@ -194,6 +194,25 @@ def pytest_configure(config):
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
     os.environ[SLURM_BOOTSTRAP] = str(status)
+    config._eagle3_slurm_status = status  # this process started the bootstrap: it brings down what it started
+
+
+def pytest_unconfigure(config):
+    """Bring down the test cluster this run started (slurmctld, slurmd and cluster.sh's own munged), and
+    only that: a cluster that was already up when the run began (`already up` in the bootstrap's log)
+    stays, as does any munged or Slurm of the host's."""
+    status = getattr(config, "_eagle3_slurm_status", None)
+    if status is None:
+        return
+    for _ in range(600):  # the bootstrap may still be installing: wait for its end (at most a minute)
+        if status.exists():
+            break
+        time.sleep(0.1)
+    log = Path(f"{status}.log")
+    if "already up" not in (log.read_text() if log.exists() else ""):
+        subprocess.run(["bash", str(ROOT / "tests" / "slurm" / "cluster.sh"), "down"], capture_output=True, timeout=60)
+    for path in (status, log):
+        path.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):
