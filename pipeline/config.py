@@ -113,6 +113,7 @@ def _compile(pattern: str, what: str) -> re.Pattern:
 
 
 SECRET_ENV = ("SLACK_BOT_TOKEN", "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET")
+RUN_ENV = "EAGLE3_RUN"  # in each stage's environment: the run it belongs to (the trainer records it per checkpoint)
 
 
 def without_secrets(env) -> dict[str, str]:

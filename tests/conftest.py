@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import Workspace, parse_config
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 PY = sys.executable
@@ -75,6 +77,11 @@ def make_workspace(tmp_path):
         return cfg
 
     return make
+
+
+def workspace_of(tmp_path: Path, text: str) -> Workspace:
+    """A workspace from config text, rooted in tmp_path (nothing written until its store is opened)."""
+    return Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml")
 
 
 def eagle3(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -82,7 +82,6 @@ class EtaEstimator:
         self.intervals = 0  # spans fitted
         self.first_t: float | None = None
         self.why: str | None = None  # why the last estimate was withheld
-        self._answer = False  # past ANSWER_FROM_SHARE: never withhold for width or extrapolation
         self._open: list | None = None  # [dt, samples, tokens, tokens_sq] not yet closed into a span
         self.widest = 0.0  # the longest span's typical prompt (√(Σtokens²/samples), or tokens/samples)
         # the latency path: the cost's shape from every sample's own latency (all of the run: the
@@ -146,7 +145,7 @@ class EtaEstimator:
         """The ETA, or None while the band would be meaningless. From ANSWER_FROM_SHARE of the work on
         (`done_share`), an estimate is always given, with a band as wide as what is not known."""
         self.why = None
-        self._answer = done_share is not None and done_share >= self.ANSWER_FROM_SHARE
+        answer = done_share is not None and done_share >= self.ANSWER_FROM_SHARE  # never withheld for width
         if self.intervals < self.EARLY_INTERVALS:
             self.why = (f"{self.intervals} span(s) of progress observed since watching began; "
                         f"an ETA needs {self.EARLY_INTERVALS}")
@@ -155,7 +154,7 @@ class EtaEstimator:
             return Eta(0.0, 0.0, 0.0)
         if (self.shape.profile.samples >= self.MIN_LATENCY_SAMPLES and tokens_left is not None
                 and tokens_sq_left is not None and all(sc.values[0] > 0 for sc in self.scales)):
-            return self._by_latency(samples_left, tokens_left, tokens_sq_left)
+            return self._by_latency(samples_left, tokens_left, tokens_sq_left, answer=answer)
         sq_range = None
         if tokens_sq_left is None and self.sq_proxy and tokens_left is not None:
             sq_range = self._sq_left_range(samples_left, tokens_left)
@@ -167,7 +166,7 @@ class EtaEstimator:
             return None
         eta = 0.5 * short + 0.5 * long
         spread = [short, long]
-        if sq_range is not None and self._answer:  # past a quarter: the bounds of what is not known
+        if sq_range is not None and answer:  # past a quarter: the bounds of what is not known
             k2n = tokens_left * tokens_left / samples_left  # Σtokens² left: all prompts alike …
             sq_range = (min(sq_range[0], k2n), sq_range[1], max(sq_range[2], self.SPREAD_BOUND * k2n))  # … to CV 1
         if sq_range is not None:  # the estimate of Σtokens² left is a guess: its bounds widen the band
@@ -178,14 +177,14 @@ class EtaEstimator:
         # (from the same fit) does not know it: seen only 700-token prompts, 3,000-token ones to come.
         ahead = (math.sqrt(tokens_sq_left / samples_left) if tokens_sq_left is not None
                  else (tokens_left / samples_left if tokens_left is not None else None))
-        if ahead is not None and self.widest > 0 and ahead > self.EXTRAPOLATION_LIMIT * self.widest and not self._answer:
+        if ahead is not None and self.widest > 0 and ahead > self.EXTRAPOLATION_LIMIT * self.widest and not answer:
             self.why = (f"withheld: the prompts left are {ahead / self.widest:.1f}× longer than any seen so far "
                         f"(typical {ahead:,.0f} tokens against {self.widest:,.0f}); the cost fit would be a guess "
                         f"until the work reaches longer prompts")
             return None
         # the band: the two memories' spread, and two standard errors of the long fit's prediction
         sd = self.long.predict_sd(samples=samples_left, tokens=tokens_left, tokens_sq=tokens_sq_left) or 0.0
-        return self._banded(eta, spread, 2 * sd)
+        return self._banded(eta, spread, 2 * sd, answer=answer)
 
     def _sq_left_range(self, n: float, k: float) -> tuple[float, float, float]:
         """(low, estimate, high) of Σtokens² over the work left when the stage does not report it. At
@@ -202,7 +201,7 @@ class EtaEstimator:
             return floor, floor, floor + spread
         return floor, floor + spread, floor + 2 * spread
 
-    def _by_latency(self, n: float, k: float, q: float) -> Eta | None:
+    def _by_latency(self, n: float, k: float, q: float, *, answer: bool) -> Eta | None:
         """The latency path: Σ of each remaining sample's fitted latency, times wall seconds per latency
         second (short and long memory); the band adds two standard errors of the fit's sum."""
         lat_left = self.shape.predict(samples=n, tokens=k, tokens_sq=q)
@@ -210,7 +209,7 @@ class EtaEstimator:
             self.why = "the latency fit has no term for the work left"
             return None
         timed, ahead = self.shape.timed_rms() or 0.0, math.sqrt(q / n)
-        if ahead > self.LATENCY_EXTRAPOLATION_LIMIT * timed and not self._answer:
+        if ahead > self.LATENCY_EXTRAPOLATION_LIMIT * timed and not answer:
             self.why = (f"withheld: the prompts left are {ahead / timed:.1f}× longer than those timed so far "
                         f"(RMS {ahead:,.0f} tokens against {timed:,.0f}); the cost of long prompts would be a "
                         f"guess until the work reaches longer ones")
@@ -228,17 +227,17 @@ class EtaEstimator:
         # variance of one latency; Σ cost² over the samples left is at least (Σ cost)² / n)
         sd_fit = self.shape.predict_sd(samples=n, tokens=k, tokens_sq=q) or 0.0
         sd = math.sqrt(sd_fit ** 2 + self.shape.sigma2() * lat_left ** 2 / n) * eta / lat_left
-        return self._banded(eta, etas, self.LATENCY_BAND_SD * sd)
+        return self._banded(eta, etas, self.LATENCY_BAND_SD * sd, answer=answer)
 
-    def _banded(self, eta: float, estimates: list[float], margin: float) -> Eta | None:
+    def _banded(self, eta: float, estimates: list[float], margin: float, *, answer: bool) -> Eta | None:
         """The ETA with a band over every estimate and `margin` either side (5 % beyond), or None, with
         why, where the band is too wide to tell anything."""
         low = min(*estimates, eta - margin) / 1.05
         high = max(*estimates, eta + margin) * 1.05
-        if low <= 0 and self._answer:  # the fit's error reaches zero: the lowest estimate bounds it instead
+        if low <= 0 and answer:  # the fit's error reaches zero: the lowest estimate bounds it instead
             low = min(e for e in (*estimates, eta) if e > 0) / 1.05
         cap = self.EARLY_BAND_RATIO if self.intervals < self.MIN_INTERVALS else self.MAX_BAND_RATIO
-        if low <= 0 or (high / low > cap and not self._answer):
+        if low <= 0 or (high / low > cap and not answer):
             self.why = (f"withheld: the work left is unlike the work done so far (e.g. longer prompts to come), "
                         f"so the estimate could be anywhere from {fmt_s(max(low, 0.0))} to {fmt_s(high)}")
             return None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from pipeline.config import Workspace, without_secrets
+from pipeline.config import RUN_ENV, Workspace, without_secrets
 
 # create_time is boot time plus the kernel's start time in clock ticks (10 ms), so
 # the same process always reads the same value; a reused pid reads a later one, at
@@ -110,7 +110,7 @@ def stage_env(ws: Workspace, stage: str, *, run: str | None = None) -> dict[str,
     cfg = ws.stage(stage)
     env = without_secrets({**os.environ, **cfg.env, "PYTHONUNBUFFERED": "1"})
     if run:
-        env["EAGLE3_RUN"] = run
+        env[RUN_ENV] = run
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpus)
     return env

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.errors import UserError
 from pipeline.fileperm import honour_umask
 
 
@@ -55,8 +56,6 @@ def latest_step(out: Path) -> int | None:
 
 def read_config(d: Path) -> dict:
     """The draft config a checkpoint was written with; a one-line error for an older layout."""
-    from pipeline.errors import UserError
-
     path = d / CONFIG_NAME
     if not path.exists():
         raise UserError(f"{d}: this checkpoint predates the SGLang draft layout (no {CONFIG_NAME}); "
@@ -67,23 +66,28 @@ def read_config(d: Path) -> dict:
         raise UserError(f"{path}: not JSON") from None
 
 
-def _shape_diff(saved: dict, config) -> list[str]:
-    now = config.to_dict()
-    return [f"{k} {saved.get(k)!r} → {now[k]!r}" for k in now if k != "aux_layer_ids" and saved.get(k) != now[k]]
-
-
-def mismatch(out: Path, *, step: int, config, origin: dict) -> str | None:
-    """Why the checkpoint at `step` is not this training's to resume (another shape, another run,
-    other data, an older layout), or None when it is."""
-    from pipeline.errors import UserError
-
+def shape_problem(out: Path, *, step: int, config) -> str | None:
+    """Why the checkpoint at `step` cannot be loaded into a draft of `config` (another shape, an older
+    layout), or None."""
     d = step_dir(out, step)
     try:
-        diff = _shape_diff(read_config(d), config)
+        saved = read_config(d)
     except UserError as exc:
         return str(exc)
-    if diff:
-        return f"the checkpoint at step {step} has another shape ({'; '.join(diff)})"
+    now = config.to_dict()
+    diff = [f"{k} {saved.get(k)!r} → {now[k]!r}" for k in now if k != "aux_layer_ids" and saved.get(k) != now[k]]
+    return f"the checkpoint at step {step} has another shape ({'; '.join(diff)})" if diff else None
+
+
+def resume_refused(problem: str) -> UserError:
+    """The one-line refusal of a checkpoint that cannot be resumed as asked (`--resume`)."""
+    return UserError(f"--resume: {problem}; resume with the flags it was trained with, start over with --fresh "
+                     "(the old checkpoints are moved to OUT/previous/), or train into a new --out")
+
+
+def origin_problem(out: Path, *, step: int, origin: dict) -> str | None:
+    """Why the checkpoint at `step` is another training's (another run, other data), or None."""
+    d = step_dir(out, step)
     try:
         state = json.loads((d / "state.json").read_text())
     except (OSError, ValueError):
@@ -99,14 +103,10 @@ def mismatch(out: Path, *, step: int, config, origin: dict) -> str | None:
 
 def load(out: Path, *, step: int, model, opt, sched, rank: int, config) -> None:
     """Restore a checkpoint written by `save` (refusing one of another shape or layout)."""
-    from pipeline.errors import UserError
-
     d = step_dir(out, step)
-    diff = _shape_diff(read_config(d), config)
-    if diff:
-        raise UserError(f"--resume: the checkpoint at step {step} has another shape ({'; '.join(diff)}); "
-                        "resume with the flags it was trained with, start over with --fresh (the old "
-                        "checkpoints are moved to OUT/previous/), or train into a new --out")
+    problem = shape_problem(out, step=step, config=config)
+    if problem:
+        raise resume_refused(problem)
     model.load_state_dict(load_file(str(d / "model.safetensors")))
     optim = torch.load(d / "optim.pt", weights_only=False)
     opt.load_state_dict(optim["optimizer"])

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.config import RUN_ENV
 from pipeline.errors import UserError
 from pipeline.train import checkpoint
 from pipeline.train.data import Corpus, batches, load_batch, load_corpus, token_counts
 from pipeline.train.model import DraftConfig, Eagle3Draft, RMSNorm, build_target, draft_vocab
-from pipeline.train.outdir import RUN_ENV, set_aside
+from pipeline.train.outdir import set_aside
 from pipeline.train.target import Target, load_target
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -226,9 +227,10 @@ def _resume_point(args, out: Path, d: Dist, model, opt, sched, cfg: DraftConfig,
     found = checkpoint.latest_step(out)
     why = "--fresh" if args.fresh else None
     if found is not None and why is None:
-        why = checkpoint.mismatch(out, step=found, config=cfg, origin=origin)
-        if why and args.resume and "another shape" in why:  # asked to resume: a flag mistake, not a new training
-            checkpoint.load(out, step=found, model=model, opt=opt, sched=sched, rank=d.rank, config=cfg)
+        why = checkpoint.shape_problem(out, step=found, config=cfg)
+        if why and args.resume:  # asked to resume: a flag mistake, not a new training
+            raise checkpoint.resume_refused(why)
+        why = why or checkpoint.origin_problem(out, step=found, origin=origin)
     if found is not None and why is None:
         checkpoint.load(out, step=found, model=model, opt=opt, sched=sched, rank=d.rank, config=cfg)
         if d.rank == 0:

@@ -14,7 +14,6 @@ from pathlib import Path
 PREVIOUS = "previous"
 # what one training writes into its --out (checkpoint.py, loop.py, export.py)
 TRAINING_FILES = ("checkpoints", "latest", "progress.jsonl", "validation.jsonl", "draft")
-RUN_ENV = "EAGLE3_RUN"  # the run a stage belongs to (stages/host.py sets it); each checkpoint records it
 
 
 def set_aside(out: Path, *, now: float | None = None) -> Path | None:

@@ -10,9 +10,9 @@ import pytest
 from handlers.render.blocks import ACTION_AUTOSTART, status_blocks
 from handlers.render.views import status_text, train_guard_text
 from handlers.slash import answer
-from pipeline.config import Workspace, parse_config
 from pipeline.controller import Controller
 from pipeline.handoff import completion
+from tests.conftest import workspace_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.fixture
 def ctl(tmp_path):
     text = "[stages.server]\nargv = [\"x\"]\n[stages.extract]\nargv = [\"y\"]\n[stages.train]\nargv = [\"z\"]\n"
-    c = Controller(workspace=Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml"))
+    c = Controller(workspace=workspace_of(tmp_path, text))
     yield c
     c.close()
 

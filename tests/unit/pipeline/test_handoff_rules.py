@@ -7,11 +7,12 @@ import os
 import psutil
 import pytest
 
-from pipeline.config import Workspace, parse_config
+from pipeline.config import Workspace
 from pipeline.controller import Controller, ServerHoldsGpusError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.store import Store
+from tests.conftest import workspace_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.fixture
 def ctl(tmp_path):
     text = "[stages.server]\nargv = [\"x\"]\ngpus = [0, 1, 2, 3]\n[stages.train]\nargv = [\"y\"]\ngpus = [2, 3]\n"
-    c = Controller(workspace=Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml"))
+    c = Controller(workspace=workspace_of(tmp_path, text))
     yield c
     c.close()
 
@@ -38,7 +39,7 @@ def test_a_new_run_starts_with_auto_start_off(ctl):
 
 
 def test_autostart_configured_arms_each_new_run(tmp_path):
-    ws = Workspace(config=parse_config("[handoff]\nautostart = true\n", name="t.toml"), path=tmp_path / "t.toml")
+    ws = workspace_of(tmp_path, "[handoff]\nautostart = true\n")
     store = Store(ws.store_path)
     try:
         h = Handoff(ws=ws, store=store, supervisor=None)
@@ -100,7 +101,7 @@ def used_ws(tmp_path, extra: str = "") -> tuple[Workspace, Store]:
 
     text = (f"[stages.server]\nargv = [\"x\"]\n[stages.extract]\nargv = [\"y\"]\nout = \"{EXTRACT_OUT}\"\n"
             f"[stages.train]\nargv = [\"z\"]\n{extra}")
-    ws = Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml")
+    ws = workspace_of(tmp_path, text)
     out = tmp_path / EXTRACT_OUT
     (out / "hidden_states").mkdir(parents=True)
     conn = sqlite3.connect(out / "manifest.sqlite", isolation_level=None)
