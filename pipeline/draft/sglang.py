@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pipeline.train import rope
 from pipeline.train.export import ARCH
 
 REQUIRED = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
@@ -48,6 +49,8 @@ class Dims:
     draft_vocab: int
     eps: float
     theta: float
+    rope_scaling: dict | None
+    max_position: int
 
     @classmethod
     def of(cls, c: dict) -> Dims:
@@ -59,7 +62,8 @@ class Dims:
                    kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(c.get("head_dim") or H // heads),
                    inter=int(c["intermediate_size"]), vocab=int(c["vocab_size"]),
                    draft_vocab=int(c.get("draft_vocab_size") or c["vocab_size"]), eps=float(c["rms_norm_eps"]),
-                   theta=float(c.get("rope_theta") or 10000.0))
+                   theta=float(c.get("rope_theta") or 10000.0), rope_scaling=rope.from_config(c)[1],
+                   max_position=int(c["max_position_embeddings"]))
 
 
 def sglang_params(c: dict) -> dict[str, tuple[int, ...]]:
@@ -105,6 +109,10 @@ def config_problems(c: dict) -> list[str]:
         problems.append(f"config.json: hidden_act is {c.get('hidden_act')!r}, expected 'silu'")
     if c.get("tie_word_embeddings"):
         problems.append("config.json: tie_word_embeddings is true: SGLang would use the embedding as the draft head")
+    try:
+        rope.from_config(c)
+    except rope.RopeError as exc:
+        problems.append(f"config.json: {exc}")
     return problems
 
 
@@ -198,6 +206,8 @@ class SglangDraft:
     def __init__(self, loaded: Loaded, embed: torch.Tensor) -> None:
         self.c = loaded.config
         self.d = Dims.of(self.c)
+        # get_rope with the config's rope_theta, rope_scaling and max_position_embeddings
+        self.rope = rope.build(self.d.head_dim, self.d.theta, self.d.rope_scaling, self.d.max_position)
         self.p = loaded.params
         self.embed = embed.float()
         self.hot = loaded.hot_token_id if loaded.hot_token_id is not None else torch.arange(self.d.draft_vocab)
@@ -222,9 +232,7 @@ class SglangDraft:
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hd = self.d.head_dim
-        inv = 1.0 / self.d.theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        ang = positions.float()[:, None] * inv
-        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        cos, sin = self.rope.tables(positions)
         return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
 
     def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.train import rope
+
 STEP_WEIGHT = 0.8
 
 
@@ -46,7 +48,10 @@ class DraftConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
+    # the ids the export writes to eagle_config (pipeline/draft/capture.py); checkpoints before `aux_ids` held
+    # layer inputs, which the export turns into ids by subtracting 1
     aux_layer_ids: list[int] = field(default_factory=list)
+    aux_ids: str = "layer-inputs"
     layout: str = "sglang-llama-eagle3"
 
     def to_dict(self) -> dict:
@@ -72,13 +77,6 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [*, T, head_dim] for Llama's rotate-half layout."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    ang = positions.float()[..., None] * inv
-    return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, T, D]; cos/sin [T, D] or [B, T, D]."""
     if cos.dim() == 3:
@@ -96,6 +94,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h2, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(h2, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        # RoPE as SGLang serves this config (rope_scaling included: pipeline/train/rope.py)
+        self.rope = rope.build(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """q [B, nh, T, D], k/v [B, nh, T, D] (KV heads repeated for GQA), RoPE applied."""
@@ -104,7 +104,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        cos, sin = self.rope.tables(positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = c.num_attention_heads // c.num_key_value_heads
         if rep > 1:
@@ -164,6 +164,17 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def frozen_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of the target's frozen embedding and LM head on this device: bf16 on a GPU (as the target
+    serves them), float32 on the CPU (where bf16 matmuls are slow)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def frozen(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A frozen target tensor on `device`, in `frozen_dtype`."""
+    return t.to(device=device, dtype=frozen_dtype(device))
+
+
 class Eagle3Draft(nn.Module):
     """SGLang's Llama EAGLE-3 draft; the target's embedding is a frozen buffer."""
 
@@ -176,7 +187,8 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
-        self.register_buffer("embed_tokens", embed.float(), persistent=False)
+        # frozen: float32 on the CPU, bf16 on a GPU (`frozen_dtype`; 2.3 GB instead of 4.7 at Kimi's size)
+        self.register_buffer("embed_tokens", embed.to(frozen_dtype(embed.device)), persistent=False)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
@@ -248,7 +260,7 @@ def build_target(batch: dict, model: Eagle3Draft, head: torch.Tensor | None, fin
             final = batch["final"]
             if final_norm is not None:
                 final = final_norm(final)
-            logits = final.float() @ head.T.float()
+            logits = (final.to(head.dtype) @ head.T).float()  # head: `frozen` (bf16 on a GPU: no fp32 copy per step)
             tgt = logits.argmax(-1)
             p = logits[..., hot].softmax(-1)
         else:

@@ -223,3 +223,32 @@ def test_training_done_names_the_draft_and_the_launch_line(tmp_path):
     assert f"draft for SGLang: {tmp_path / 'ckpt' / 'draft'}" in note
     assert f"--model-path {tmp_path / 'models' / 't'} --speculative-algorithm EAGLE3" in note
     assert "--enable-return-aux-hidden-states" not in note
+
+
+def test_rope_scaling_is_trained_as_served_and_changes_the_drafts_logits():
+    """Issue 32: a Llama-3.1-style llama3 scaling is applied by the trainer and by eval-draft's SGLang forward alike
+    (their logits agree), is exported, and changing only `rope_scaling` changes eval-draft's logits."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    cfg = small_config(rope_scaling=scaling)
+    m = random_draft(cfg)
+    g = torch.Generator().manual_seed(5)
+    T = 12
+    tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    aux = torch.randn(1, T, 3 * cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        unrolled = m.unroll(aux, tokens, torch.ones(1, T, dtype=torch.bool), 1)[0][0]
+    config = _sglang_config(cfg)
+    assert config["rope_scaling"] == scaling
+
+    def served(c: dict) -> torch.Tensor:
+        loaded, problems = load_rules(c, _export_tensors(m))
+        assert problems == []
+        sg = SglangDraft(loaded, m.embed_tokens)
+        sg.forward(tokens[0, 1:], aux[0, : T - 1], torch.arange(T - 1))
+        return sg.last_logits
+
+    assert torch.allclose(served(config), unrolled[: T - 1], atol=1e-4)
+    assert not torch.allclose(served({**config, "rope_scaling": None}), unrolled[: T - 1], atol=1e-2)
+    _, problems = load_rules({**config, "rope_scaling": {"rope_type": "longrope"}}, _export_tensors(m))
+    assert any("rope type 'longrope' is not one the draft can be trained with" in p for p in problems)
