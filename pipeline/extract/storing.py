@@ -12,13 +12,14 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.draft.capture import SERVER_IDS
 from pipeline.extract import fastparse
 from pipeline.extract.preflight import Plan
 from pipeline.extract.response import BadResponse, check_rows, prefill_rows, topk_rows
 from pipeline.extract.writer import sample_path, tensors_for, write_sample
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES}
-LAYER_CONVENTION = "sglang-layer-input"  # aux state i is the input of layer i
+LAYER_CONVENTION = SERVER_IDS  # layer_ids exactly as the server reported them (pipeline/draft/capture.py)
 
 
 class DiskError(Exception):

@@ -21,5 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wrong-rows-every", type=int, default=0, help="drop one row from every Nth response")
     p.add_argument("--fixed-reply", action="store_true", help="skip the model (client benchmarks)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--aux-layer-ids", type=lambda v: [int(x) for x in v.split(",")], metavar="A,B,C",
+                   help="as SGLang's --return-aux-hidden-state-layer-ids: captured as Llama does (the inputs of layers "
+                        "A+1, B+1, C+1) and reported as given; default: SGLang's [2, N//2, N-3], reported as null")
     p.add_argument("--export-target", metavar="DIR", help="write the toy target as a Hugging Face directory "
                    "(config.json; embedding, final norm and LM head through model.safetensors.index.json) and exit")

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.draft.capture import default_capture
 from pipeline.fileperm import honour_umask
 
 VOCAB = 256
@@ -51,7 +52,7 @@ LOGIT_SCALE = 2.2
 
 def aux_layer_ids(n_layers: int = LAYERS) -> list[int]:
     """SGLang's default EAGLE-3 capture: inputs of layers [2, N//2, N-3]."""
-    return [2, n_layers // 2, n_layers - 3]
+    return default_capture(n_layers)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = RMS_EPS) -> torch.Tensor:
@@ -157,12 +158,13 @@ class ToyLM(nn.Module):
             p.weight.zero_()
 
     @torch.no_grad()
-    def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(aux [seq, 3, H], final [seq, H] post-norm, logits [seq, V]) for one prompt."""
+    def forward(self, ids: list[int], *, capture: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(aux [seq, 3, H], final [seq, H] post-norm, logits [seq, V]) for one prompt; aux: the inputs of the layers
+        `capture` (SGLang's layers_to_capture; default [2, N//2, N-3])."""
         if not ids or len(ids) > CONTEXT:
             raise ValueError(f"prompt length {len(ids)} outside 1..{CONTEXT}")
         x = self.embed_tokens(torch.tensor(ids, dtype=torch.long))
-        wanted, aux = aux_layer_ids(), {}
+        wanted, aux = capture or aux_layer_ids(), {}
         for i, block in enumerate(self.layers):
             if i in wanted:
                 aux[i] = x
@@ -176,8 +178,7 @@ class ToyLM(nn.Module):
                 "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
                 "num_key_value_heads": HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB, "rms_norm_eps": RMS_EPS,
                 "rope_theta": ROPE_THETA, "rope_scaling": None, "max_position_embeddings": CONTEXT,
-                "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
-                "eagle_aux_hidden_state_layer_ids": aux_layer_ids()}
+                "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32"}
 
 
 def export_target(directory: Path) -> Path:

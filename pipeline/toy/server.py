@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.toy.model import HIDDEN, LAYERS, VOCAB, ToyLM, aux_layer_ids, export_target
+from pipeline.draft.capture import captured_layers
+from pipeline.toy.model import HIDDEN, LAYERS, VOCAB, ToyLM, export_target
 
 VERSION = "0.5.23-toy"
 
@@ -40,6 +41,8 @@ class ToyState:
         self.running = 0
         self.max_running = 0
         self.rng = random.Random(opts.seed)
+        # the layers whose inputs are captured, as a Llama target in SGLang maps --return-aux-hidden-state-layer-ids
+        self.capture = captured_layers(getattr(opts, "aux_layer_ids", None), LAYERS)
 
     def layers(self) -> int:
         return 3 if self.opts.stock else 4
@@ -47,7 +50,7 @@ class ToyState:
     def server_info(self) -> dict:
         o = self.opts
         return {"version": VERSION, "model_path": "toy-lm", "enable_return_hidden_states": True,
-                "enable_return_aux_hidden_states": True, "return_aux_hidden_state_layer_ids": aux_layer_ids(),
+                "enable_return_aux_hidden_states": True, "return_aux_hidden_state_layer_ids": getattr(o, "aux_layer_ids", None),
                 "hidden_states_layers": self.layers(), "disable_radix_cache": not o.radix_cache,
                 "chunked_prefill_size": o.chunked_prefill_size, "speculative_algorithm": "EAGLE3",
                 "tp_size": 1, "port": o.port, "num_hidden_layers": LAYERS}
@@ -59,7 +62,7 @@ class ToyState:
         params = req.get("sampling_params") or {}
         new_tokens = max(1, int(params.get("max_new_tokens", 1)))
         with self.lock:
-            aux, final, logits = self.model(ids)
+            aux, final, logits = self.model(ids, capture=self.capture)
             out_ids, rows_decode = [], []
             seq, cur_logits = list(ids), logits[-1]
             for step in range(new_tokens):
@@ -67,7 +70,7 @@ class ToyState:
                 out_ids.append(tok)
                 if step < new_tokens - 1:  # each decode forward yields one hidden row
                     seq.append(tok)
-                    a2, f2, l2 = self.model(seq)
+                    a2, f2, l2 = self.model(seq, capture=self.capture)
                     rows_decode.append(self._pack(a2[-1:], f2[-1:])[0])
                     cur_logits = l2[-1]
         meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": new_tokens},

@@ -75,7 +75,8 @@ def shape_problem(out: Path, *, step: int, config) -> str | None:
     except UserError as exc:
         return str(exc)
     now = config.to_dict()
-    diff = [f"{k} {saved.get(k)!r} → {now[k]!r}" for k in now if k != "aux_layer_ids" and saved.get(k) != now[k]]
+    diff = [f"{k} {saved.get(k)!r} → {now[k]!r}" for k in now
+            if k not in ("aux_layer_ids", "aux_ids") and saved.get(k) != now[k]]
     return f"the checkpoint at step {step} has another shape ({'; '.join(diff)})" if diff else None
 
 

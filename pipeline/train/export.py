@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.draft.capture import AUX_IDS_EAGLE_CONFIG
 from pipeline.fileperm import honour_umask
 
 ARCH = "LlamaForCausalLMEagle3"  # torch-free here: the service reads draft_note after training
@@ -39,19 +40,22 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def sglang_config(cfg: dict) -> dict:
     """config.json for SGLang from the trainer's draft config."""
+    from pipeline.train import rope  # torch: only where a draft is exported
+
     out = {"architectures": [ARCH], "model_type": "llama", "num_hidden_layers": 1,
            "hidden_size": cfg["hidden_size"], "num_attention_heads": cfg["num_attention_heads"],
            "num_key_value_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
            "intermediate_size": cfg["intermediate_size"], "hidden_act": "silu", "rms_norm_eps": cfg["rms_norm_eps"],
            "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": cfg["rope_theta"],
-           "rope_scaling": cfg.get("rope_scaling"), "vocab_size": cfg["vocab_size"],
+           "rope_scaling": rope.normalise(cfg.get("rope_scaling")), "vocab_size": cfg["vocab_size"],
            "draft_vocab_size": cfg["draft_vocab_size"], "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
     if cfg["target_hidden_size"] != cfg["hidden_size"]:
         out["target_hidden_size"] = cfg["target_hidden_size"]
-    ids = cfg.get("aux_layer_ids") or []  # set by the trainer only when the extraction used non-default layers
-    if ids:
-        # SGLang adds 1 to each configured id ("the ith layer takes the output of the (i-1)th")
-        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}
+    ids = cfg.get("aux_layer_ids") or []  # empty when the extraction used the server's default layers
+    if ids and cfg.get("aux_ids") != AUX_IDS_EAGLE_CONFIG:  # an older checkpoint: layer inputs (Llama's + 1 undone)
+        ids = [i - 1 for i in ids]
+    if ids:  # the ids the extraction's server was given: the same model maps them to the same layers
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True}
     return out
 
 
