@@ -15,9 +15,24 @@ import torch
 
 from pipeline.errors import UserError
 
-NAMES = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
-         "head": ("lm_head.weight",),
-         "norm": ("model.norm.weight", "norm.weight")}
+# Where a multimodal checkpoint nests the text model: Kimi-K2.5 (`language_model.model.embed_tokens.weight`,
+# `language_model.lm_head.weight`) and transformers' newer layout (`model.language_model.embed_tokens.weight`,
+# a top-level `lm_head.weight`).
+PREFIXES = ("", "language_model.", "model.language_model.")
+NAMES = {"embed": tuple(f"{p}{n}" for p in PREFIXES for n in ("model.embed_tokens.weight", "embed_tokens.weight")),
+         "head": tuple(f"{p}lm_head.weight" for p in PREFIXES),
+         "norm": tuple(f"{p}{n}" for p in PREFIXES for n in ("model.norm.weight", "norm.weight"))}
+TEXT_CONFIG_KEYS = ("text_config", "language_config")  # Kimi-K2.5, Llava-style and DeepSeek-VL configs
+
+
+def text_config(config: dict) -> dict:
+    """The text model's config: a nested `text_config` / `language_config` (with the outer keys it lacks, such
+    as `tie_word_embeddings`), else the config itself."""
+    for key in TEXT_CONFIG_KEYS:
+        inner = config.get(key)
+        if isinstance(inner, dict):
+            return {**{k: v for k, v in config.items() if k not in TEXT_CONFIG_KEYS}, **inner}
+    return config
 
 
 @dataclass
@@ -91,7 +106,8 @@ def load_target(path: str, *, need_norm: bool) -> Target:
             config = json.loads(cfg.read_text())
         except ValueError:
             raise UserError(f"{cfg}: not JSON") from None
-    if found["head"] is None and found["embed"] is not None and config.get("tie_word_embeddings"):
+        config = text_config(config) if isinstance(config, dict) else {}
+    if found["head"] is None and found["embed"] is not None and config.get("tie_word_embeddings", True):
         found["head"] = found["embed"]
     missing = [NAMES[k][0] for k in ("embed", "head") if found[k] is None]
     if need_norm and found["norm"] is None:
@@ -99,8 +115,8 @@ def load_target(path: str, *, need_norm: bool) -> Target:
     if missing:
         raise UserError(f"--target-model {path}: no tensor {', '.join(missing)}; give the target's Hugging Face "
                         "directory (its model.safetensors.index.json names every tensor)")
-    embed, head = found["embed"].float(), found["head"].float()
+    embed, head = found["embed"], found["head"]  # as stored (bf16 on real targets): the trainer casts them where used
     if embed.shape != head.shape:
         raise UserError(f"--target-model {path}: embedding is {list(embed.shape)} but lm_head is {list(head.shape)}")
-    norm = None if found["norm"] is None else found["norm"].float()
+    norm = None if found["norm"] is None else found["norm"].float()  # [H]: small
     return Target(embed, head, norm, config, str(p))

@@ -263,3 +263,118 @@ def test_the_demo_trains_on_the_cpu_whatever_gpus_the_host_has(tmp_path):
     cfg = tmp_path / "eagle3.toml"
     cfg.write_text(config_text(python=sys.executable, port=30000, steps=10))
     assert stage_env(load_workspace(cfg), "train")["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_explicit_aux_ids_reach_the_draft_as_the_server_was_given_them(tmp_path, capsys):
+    """Issue 32: a server started with --return-aux-hidden-state-layer-ids 0,2,5 captures, as SGLang's Llama does,
+    the inputs of layers 1, 3 and 6 and reports the ids as given; the manifest records them so, and the draft's
+    eagle_config carries 0,2,5 — which SGLang, serving it on the same target, maps to the same layers."""
+    from safetensors import safe_open
+
+    from pipeline.draft.capture import captured_layers
+    from pipeline.toy.model import LAYERS, ToyLM
+    from tests.conftest import eagle3
+    from tests.toy import ToyServer, write_dataset
+
+    server = ToyServer("--aux-layer-ids", "0,2,5")
+    try:
+        samples = write_dataset(tmp_path / "d.jsonl", 12, lo=16, hi=40)
+        assert eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out",
+                      str(tmp_path / "out")).returncode == 0
+    finally:
+        server.stop()
+    with safe_open(str(tmp_path / "out" / "hidden_states" / "hs_0.safetensors"), "pt") as f:
+        meta, rows = f.metadata(), f.get_tensor("hidden_states")[:, :3].float()
+    assert json.loads(meta["layer_ids"]) == [0, 2, 5] and meta["layer_convention"] == "sglang-server-ids"
+    model = ToyLM()
+    ids = samples[0]
+    assert torch.allclose(rows, model(ids, capture=[1, 3, 6])[0].float(), atol=2e-2)
+    assert not torch.allclose(rows, model(ids)[0].float(), atol=2e-2)  # not the default layers [2, 4, 5]
+    _toy_target(tmp_path)
+    assert train_main(["--data", str(tmp_path / "out"), "--target-model", str(tmp_path / "target"), "--out",
+                       str(tmp_path / "c"), "--steps", "2", "--ttt", "2", "--token-budget", "1024"]) == 0
+    exported = json.loads((tmp_path / "c" / "draft" / "config.json").read_text())["eagle_config"]
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
+    assert captured_layers(exported["eagle_aux_hidden_state_layer_ids"], LAYERS) == [1, 3, 6]
+
+
+def _hf_dir(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """A Hugging Face directory: config.json and two shards named by model.safetensors.index.json."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k].contiguous() for k in keys}, path / shard)
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    return path
+
+
+# Config keys as the model cards give them (no download); sizes shrunk to the toy data's hidden 64 and vocabulary 256.
+KIMI_K25_TEXT = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+                 "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24,
+                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "intermediate_size": 160,
+                 "moe_intermediate_size": 32, "num_hidden_layers": 8, "vocab_size": 256, "rms_norm_eps": 1e-6,
+                 "rope_theta": 50000.0, "max_position_embeddings": 262144,
+                 "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                                  "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+LLAMA_31 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 160, "num_hidden_layers": 8, "vocab_size": 256,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
+
+
+@pytest.mark.parametrize("layout", ["kimi-k2.5", "llama-3.1", "tied"])
+def test_real_target_layouts_train_export_and_load(layout, toy_extraction, tmp_path, capsys):
+    """Issue 32: tiny directories in Kimi-K2.5's layout (text model under text_config, tensors under
+    language_model., MLA fields without head_dim, yarn RoPE) and Llama-3.1's (llama3 RoPE, GQA; and with tied
+    embeddings) train 3 steps, export, and pass SGLang's load rules."""
+    from pipeline.draft.sglang import check_export
+
+    src = load_file(toy_extraction["target"] / "model.safetensors")
+    embed, head, norm = src["model.embed_tokens.weight"], src["lm_head.weight"], src["model.norm.weight"]
+    if layout == "kimi-k2.5":
+        config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                  "tie_word_embeddings": False, "text_config": KIMI_K25_TEXT, "vision_config": {"hidden_size": 32}}
+        tensors = {"language_model.model.embed_tokens.weight": embed, "language_model.lm_head.weight": head,
+                   "language_model.model.norm.weight": norm, "vision_tower.patch_embed.weight": torch.zeros(4, 4)}
+    elif layout == "llama-3.1":
+        config, tensors = LLAMA_31, {"model.embed_tokens.weight": embed, "lm_head.weight": head,
+                                     "model.norm.weight": norm}
+    else:
+        config, tensors = {**LLAMA_31, "tie_word_embeddings": True}, {"model.embed_tokens.weight": head,
+                                                                      "model.norm.weight": norm}
+    target = _hf_dir(tmp_path / "target", config, tensors)
+    assert train_main(["--data", str(toy_extraction["out"]), "--target-model", str(target), "--out",
+                       str(tmp_path / "c"), "--steps", "3", "--ttt", "2", "--token-budget", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert check_export(tmp_path / "c" / "draft") == []
+    exported = json.loads((tmp_path / "c" / "draft" / "config.json").read_text())
+    if layout == "kimi-k2.5":
+        assert ("draft layer: 1 heads × 128, 1 KV heads, MLP 384 (an MLA target: SpecForge's DeepSeek-V3 EAGLE-3 "
+                "shape)") in out
+        assert exported["rope_theta"] == 50000.0 and exported["rope_scaling"]["rope_type"] == "yarn"
+        assert exported["rope_scaling"]["mscale_all_dim"] == 1.0 and exported["head_dim"] == 128
+    else:
+        assert "draft layer: 4 heads × 16, 2 KV heads, MLP 160 (the target's attention and MLP)" in out
+        assert exported["rope_scaling"] == LLAMA_31["rope_scaling"] and exported["rope_theta"] == 500000.0
+
+
+def test_max_length_cuts_long_samples_and_grad_accum_takes_the_next_batches(toy_extraction, tmp_path, capsys):
+    """Issue 32: samples past --max-length are cut (and counted); with --grad-accum 2 step 1 is batches 1 and 2
+    (at lr 0 its loss is the mean of a 1-batch run's steps 1 and 2)."""
+    common = ["--data", str(toy_extraction["out"]), "--target-model", str(toy_extraction["target"]), "--ttt", "2",
+              "--token-budget", "512", "--max-length", "64", "--lr", "0"]
+    assert train_main([*common, "--out", str(tmp_path / "a"), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    lengths = [len(s) for s in toy_extraction["samples"]]
+    assert f"train: {sum(n > 64 for n in lengths)} sample(s) longer than --max-length 64 tokens cut to it" in out
+    assert train_main([*common, "--out", str(tmp_path / "b"), "--steps", "1", "--grad-accum", "2"]) == 0
+    one, two = progress(tmp_path / "a"), progress(tmp_path / "b")
+    assert two[0]["loss"] == pytest.approx((one[0]["loss"] + one[1]["loss"]) / 2, rel=1e-4)
+    assert train_main([*common[:-4], "--token-budget", "512", "--max-length", "1024", "--out", str(tmp_path / "c"),
+                       "--steps", "1"]) == 2
+    assert "--max-length 1024 is more than --token-budget 512" in capsys.readouterr().err
