@@ -44,8 +44,10 @@ class Corpus:
     topk: int
     bad: list[str]
     final_slot: str | None = None  # 'post-norm' (this project's extraction) or 'pre-norm' (speculators' files)
-    layer_ids: list[int] | None = None  # the target layers whose inputs are the aux states
+    layer_ids: list[int] | None = None  # the aux ids as the manifest records them (pipeline/draft/capture.py)
+    layer_convention: str | None = None  # the manifest's: capture.SERVER_IDS, or LAYER_INPUTS on older ones
     identity: dict = field(default_factory=dict)  # what the data is (the manifest's dataset hash, size, model)
+    cut: int = 0  # samples longer than --max-length, cut to it
 
 
 def _expect(path: Path, name: str, shape, want) -> None:
@@ -75,8 +77,10 @@ def _inspect(path: Path, hidden: int | None, layers: int | None) -> tuple[int, i
     return seq[0], hs[1], hs[2], topk
 
 
-def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> Corpus:
-    """Read the manifest, check every done file's header, split deterministically by index."""
+def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05, max_length: int | None = None) -> Corpus:
+    """Read the manifest, check every done file's header, split deterministically by index. A sample longer
+    than `max_length` tokens is cut to its first `max_length` (counted in `cut`): one sample alone must fit
+    a batch's memory (the draft's T×T attention)."""
     mpath = Path(data_dir) / MANIFEST_NAME
     if not mpath.exists():
         raise UserError(f"{mpath}: no manifest; --data must be an extraction output directory")
@@ -84,7 +88,7 @@ def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> C
         meta, done = read_done(Path(data_dir))
     except sqlite3.Error as exc:
         raise UserError(f"{mpath}: unreadable manifest ({exc})") from None
-    samples, bad, hidden, layers, topk = [], [], None, None, 0
+    samples, bad, hidden, layers, topk, cut = [], [], None, None, 0, 0
     for idx in done:
         path = sample_path(Path(data_dir), idx)
         try:
@@ -97,6 +101,8 @@ def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> C
                 raise UserError(problem + "; fix or re-extract it, or pass --skip-bad to leave it out") from None
             bad.append(problem)
             continue
+        if max_length is not None and seq > max_length:
+            seq, cut = max_length, cut + 1
         if seq >= 2:
             samples.append(SampleInfo(idx, path, seq))
     if not samples:
@@ -112,7 +118,8 @@ def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05) -> C
         layer_ids = None
     return Corpus([s for s in samples if s.idx not in val_ids], val, layers, hidden, topk, bad,
                   final_slot=slot if layers == 4 else None, layer_ids=layer_ids,
-                  identity={k: meta.get(k) for k in IDENTITY_KEYS})
+                  layer_convention=meta.get("layer_convention"),
+                  identity={k: meta.get(k) for k in IDENTITY_KEYS}, cut=cut)
 
 
 def token_counts(samples: list[SampleInfo], vocab: int) -> torch.Tensor:
@@ -153,7 +160,8 @@ def load_batch(batch: list[SampleInfo], *, bad: list[str] | None = None) -> dict
     loaded = []
     for s in batch:
         try:
-            loaded.append(load_file(str(s.path)))
+            # the first s.tokens rows: a sample longer than --max-length is cut (SampleInfo.tokens)
+            loaded.append({k: v[: s.tokens] if v.dim() else v for k, v in load_file(str(s.path)).items()})
         except Exception as exc:  # noqa: BLE001
             if bad is None:
                 raise UserError(f"{s.path}: unreadable during training ({type(exc).__name__}); "

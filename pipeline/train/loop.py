@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -18,13 +19,15 @@ import torch.distributed as dist
 
 from pipeline.config import RUN_ENV
 from pipeline.errors import UserError
-from pipeline.train import checkpoint
+from pipeline.draft import capture
+from pipeline.train import checkpoint, rope
 from pipeline.train.data import Corpus, batches, load_batch, load_corpus, token_counts
-from pipeline.train.model import DraftConfig, Eagle3Draft, RMSNorm, build_target, draft_vocab
+from pipeline.train.model import DraftConfig, Eagle3Draft, RMSNorm, build_target, draft_vocab, frozen
 from pipeline.train.outdir import set_aside
 from pipeline.train.target import Target, load_target
 
 DEFAULT_DRAFT_VOCAB = 32000
+DEFAULT_MAX_LENGTH = 2048
 
 
 class TrainError(UserError):
@@ -59,11 +62,28 @@ def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) ->
     p.add_argument("--ttt", type=int, default=7, help="training-time-test unroll steps (default 7)")
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary: the N most frequent target tokens of the "
                                                    "loss-masked data (default 32000, or the target's if smaller)")
-    p.add_argument("--heads", type=int, help="attention heads (default: the target's num_attention_heads)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (default: the target's num_key_value_heads)")
-    p.add_argument("--intermediate", type=int, help="MLP width (default: the target's intermediate_size)")
+    p.add_argument("--heads", type=int, help="attention heads (default: the target's num_attention_heads; for an MLA "
+                                             "target such as Kimi or DeepSeek, hidden/128 as SpecForge's DeepSeek-V3 "
+                                             "draft)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: the target's num_key_value_heads; 8 for an "
+                                                "MLA target)")
+    p.add_argument("--head-dim", type=int, help="width of each head (default: the target's head_dim, else hidden/heads; "
+                                                "128 for an MLA target)")
+    p.add_argument("--intermediate", type=int, help="MLP width (default: the target's intermediate_size; for an MLA "
+                                                    "target 40960 at hidden 7168, SpecForge's DeepSeek-V3 draft)")
     p.add_argument("--token-budget", type=int, default=4096, help="padded tokens per batch per rank")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-length", type=int,
+                   help="samples longer than this many tokens are cut to it (counted and reported); at most "
+                        f"--token-budget (default {DEFAULT_MAX_LENGTH}, or the token budget if smaller)")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
+    p.add_argument("--warmup-ratio", type=float, default=0.015,
+                   help="share of --steps spent warming the learning rate up linearly (default 0.015)")
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                   help="after warm-up: cosine decay to 0 at --steps (default), or constant")
+    p.add_argument("--max-grad-norm", type=float, default=0.5, help="gradient clipping norm (default 0.5)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="batches per optimizer step on each rank (default 1): the effective batch is "
+                        "token budget × ranks × this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--save-every", type=int, default=50)
@@ -117,33 +137,65 @@ class Dist:
             dist.destroy_process_group()
 
 
+# SpecForge's EAGLE-3 draft for DeepSeek-V3 (configs/deepseek-v3-671b-eagle3.json): 128-wide heads, 8 KV heads,
+# MLP 40960 at hidden 7168. An MLA target's own attention (64 heads of a 192-wide query, a 512-rank latent KV) is not
+# a shape a Llama draft layer can take.
+MLA_HEAD_DIM, MLA_KV_HEADS, MLA_INTERMEDIATE_PER_HIDDEN = 128, 8, 40960 / 7168
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
+
+
+def is_mla(config: dict) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the config has the latent ranks."""
+    return any(config.get(k) is not None for k in MLA_KEYS)
+
+
+def draft_shape(args, c: dict, H: int) -> tuple[dict, str]:
+    """(heads, kv_heads, head_dim, intermediate) of the draft layer, and where they came from."""
+    if is_mla(c):
+        head_dim = args.head_dim or MLA_HEAD_DIM
+        heads = args.heads or max(1, H // head_dim)
+        kv = args.kv_heads or (MLA_KV_HEADS if heads % MLA_KV_HEADS == 0 else heads)
+        inter = args.intermediate or int(round(H * MLA_INTERMEDIATE_PER_HIDDEN / 128)) * 128
+        why = "an MLA target: SpecForge's DeepSeek-V3 EAGLE-3 shape"
+    else:
+        heads = args.heads or c.get("num_attention_heads") or max(1, H // 128)
+        kv = args.kv_heads or c.get("num_key_value_heads") or heads
+        head_dim = args.head_dim or (c.get("head_dim") if not args.heads else None)
+        inter = args.intermediate or c.get("intermediate_size") or 4 * H
+        why = "the target's attention and MLP"
+    derived = not head_dim  # hidden / heads
+    head_dim = head_dim or H // heads
+    if heads % kv or (derived and head_dim * heads != H):
+        raise UserError(f"--heads {heads} / --kv-heads {kv}: the heads must divide by the key/value heads, and the "
+                        f"hidden size {H} by the heads unless --head-dim is given")
+    overridden = [f for f, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim),
+                                 ("--intermediate", args.intermediate)) if v]
+    if overridden:
+        why += " (" + ", ".join(overridden) + " given)"
+    return {"num_attention_heads": int(heads), "num_key_value_heads": int(kv), "head_dim": int(head_dim),
+            "intermediate_size": int(inter)}, why
+
+
 def draft_config(args, corpus: Corpus, target: Target) -> DraftConfig:
-    """The draft's shapes: hidden size = the target's; heads and MLP from the target's config or flags."""
+    """The draft's shapes: hidden size = the target's; attention and MLP from the target's config (SpecForge's
+    shape for MLA targets) or flags; RoPE as the target's config gives it, refused before step 1 where SGLang
+    would serve the draft with other angles (pipeline/train/rope.py)."""
     c = target.config
     H = target.hidden
-    heads = args.heads or c.get("num_attention_heads") or max(1, H // 128)
-    kv = args.kv_heads or c.get("num_key_value_heads") or heads
-    if H % heads or heads % kv:
-        raise UserError(f"--heads {heads} / --kv-heads {kv}: the hidden size {H} must divide by the heads, "
-                        "and the heads by the key/value heads")
+    shape, _ = draft_shape(args, c, H)
     want = args.draft_vocab if args.draft_vocab is not None else min(DEFAULT_DRAFT_VOCAB, target.vocab)
     if not 1 <= want <= target.vocab:
         raise UserError(f"--draft-vocab {want}: must be between 1 and the target's vocabulary ({target.vocab})")
-    scaling = c.get("rope_scaling")
+    try:
+        theta, scaling = rope.from_config(c)
+    except rope.RopeError as exc:
+        raise rope.RopeError(f"--target-model {target.source}: config {exc}") from None
     return DraftConfig(
-        hidden_size=H, target_hidden_size=corpus.hidden, num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=H // heads, intermediate_size=args.intermediate or c.get("intermediate_size") or 4 * H,
+        hidden_size=H, target_hidden_size=corpus.hidden, **shape,
         vocab_size=target.vocab, draft_vocab_size=want, rms_norm_eps=float(c.get("rms_norm_eps") or 1e-5),
-        rope_theta=float(c.get("rope_theta") or 10000.0), rope_scaling=scaling if isinstance(scaling, dict) else None,
-        max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
-        aux_layer_ids=_non_default_aux(corpus.layer_ids, c.get("num_hidden_layers")))
-
-
-def _non_default_aux(ids: list[int] | None, layers) -> list[int]:
-    """The aux capture ids when they are not SGLang's default [2, N//2, N-3] (then the export must name them)."""
-    if not ids or not isinstance(layers, int):
-        return []
-    return [] if list(ids) == [2, layers // 2, layers - 3] else list(ids)
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
+        aux_layer_ids=capture.draft_ids(corpus.layer_ids, corpus.layer_convention, c.get("num_hidden_layers"),
+                                        model=corpus.identity.get("model")), aux_ids=capture.AUX_IDS_EAGLE_CONFIG)
 
 
 def validate(model, corpus: Corpus, target: Target, final_norm, args, device) -> dict:
@@ -153,7 +205,7 @@ def validate(model, corpus: Corpus, target: Target, final_norm, args, device) ->
     with torch.no_grad():
         for b in batches(corpus.val, budget=args.token_budget, seed=args.seed, epoch=0):
             batch = {k: v.to(device) for k, v in load_batch(b).items()}
-            tgt = build_target(batch, model, target.head.to(device), final_norm)
+            tgt = build_target(batch, model, frozen(target.head, device), final_norm)
             _, _, acc = model(batch, tgt, steps=args.ttt)
             for k, (h, n) in enumerate(acc):
                 hits[k] += h
@@ -169,7 +221,7 @@ def build(args, corpus: Corpus, target: Target, d: Dist) -> tuple[Eagle3Draft, D
     """The draft, its vocabulary from the loss-masked data, lm_head and norm started from the target's."""
     cfg = draft_config(args, corpus, target)
     torch.manual_seed(args.seed)
-    model = Eagle3Draft(cfg, target.embed)
+    model = Eagle3Draft(cfg, frozen(target.embed, d.device))  # straight to the device, never an fp32 copy on a GPU
     d2t, t2d = draft_vocab(token_counts(corpus.train, target.vocab), cfg.draft_vocab_size)
     model.set_vocab(d2t, t2d)
     with torch.no_grad():
@@ -185,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        corpus = load_corpus(Path(args.data), skip_bad=args.skip_bad)
+        _check_args(args)
+        corpus = load_corpus(Path(args.data), skip_bad=args.skip_bad, max_length=args.max_length)
         if not args.target_model:
             raise UserError("pass --target-model DIR (the target's Hugging Face directory): the draft uses the "
                             "target's embedding, and its LM head to form the training target")
@@ -208,8 +261,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"train: {len(corpus.train)} train / {len(corpus.val)} validation samples, hidden {corpus.hidden}; "
                   f"target from {source}; draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size} "
                   f"({covered} ids)" + (f"; {len(corpus.bad)} bad file(s) skipped" if corpus.bad else ""), flush=True)
+            if corpus.cut:
+                print(f"train: {corpus.cut} sample(s) longer than --max-length {args.max_length} tokens cut to it",
+                      flush=True)
+            print(f"train: draft layer: {cfg.num_attention_heads} heads × {cfg.head_dim}, {cfg.num_key_value_heads} "
+                  f"KV heads, MLP {cfg.intermediate_size} ({draft_shape(args, target.config, target.hidden)[1]}); "
+                  f"RoPE θ {cfg.rope_theta:g}" + (f", {cfg.rope_scaling}" if cfg.rope_scaling else ""), flush=True)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args))
         origin = {"run": os.environ.get(RUN_ENV) or None, "data": corpus.identity}
         start = _resume_point(args, out, d, model, opt, sched, cfg, origin)
         # Buffers (the frozen target embedding, d2t, t2d) are identical on every rank by construction:
@@ -219,6 +278,37 @@ def run(args: argparse.Namespace) -> int:
         return _loop(args, d, ddp, model, opt, sched, corpus, ctx, start, out)
     finally:
         d.close()
+
+
+def _check_args(args) -> None:
+    """Flag combinations refused before anything is read; --max-length's default filled in."""
+    if args.max_length is None:
+        args.max_length = min(DEFAULT_MAX_LENGTH, args.token_budget)
+    for flag, value, low in (("--max-length", args.max_length, 2), ("--grad-accum", args.grad_accum, 1),
+                             ("--token-budget", args.token_budget, 2)):
+        if value < low:
+            raise UserError(f"{flag} {value}: must be at least {low}")
+    if args.max_length > args.token_budget:
+        raise UserError(f"--max-length {args.max_length} is more than --token-budget {args.token_budget}: a sample that "
+                        "long would be a batch past the budget's memory; lower --max-length or raise --token-budget")
+    if not 0 <= args.warmup_ratio < 1:
+        raise UserError(f"--warmup-ratio {args.warmup_ratio}: must be at least 0 and below 1")
+
+
+def lr_factor(args):
+    """The learning rate's factor at optimizer step s (0-based): linear warm-up over --warmup-ratio of --steps,
+    then cosine decay to 0 at --steps (or constant)."""
+    warmup = max(1, math.ceil(args.warmup_ratio * args.steps))
+    decay = max(1, args.steps - warmup)
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if args.schedule == "constant":
+            return 1.0
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (s + 1 - warmup) / decay)))
+
+    return factor
 
 
 def _resume_point(args, out: Path, d: Dist, model, opt, sched, cfg: DraftConfig, origin: dict) -> int:
@@ -260,23 +350,27 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
     per_epoch: dict[int, list] = {}
     progress = open(out / "progress.jsonl", "a") if d.rank == 0 else None  # noqa: SIM115
     bad = [] if args.skip_bad else None
-    head = ctx.target.head.to(d.device)
+    head = frozen(ctx.target.head, d.device)
     step = start
     try:
         for step in range(start + 1, args.steps + 1):
-            batch_list = _rank_batches(per_epoch, corpus, args, d, step)
             t0 = time.perf_counter()
-            batch = {k: v.to(d.device) for k, v in load_batch(batch_list, bad=bad).items()}
-            tgt = build_target(batch, model, head, ctx.final_norm)
-            with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=d.device.type == "cuda"):
-                loss, ent, _ = ddp(batch, tgt, steps=args.ttt)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            sums = [0.0, 0.0, 0.0]  # loss, entropy, tokens over this step's --grad-accum batches
+            for micro in range(args.grad_accum):
+                batch_list = _rank_batches(per_epoch, corpus, args, d, (step - 1) * args.grad_accum + micro + 1)
+                batch = {k: v.to(d.device) for k, v in load_batch(batch_list, bad=bad).items()}
+                tgt = build_target(batch, model, head, ctx.final_norm)
+                # gradients are all-reduced once per optimizer step, on its last batch
+                sync = ddp.no_sync() if d.world > 1 and micro < args.grad_accum - 1 else contextlib.nullcontext()
+                with sync, torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=d.device.type == "cuda"):
+                    loss, ent, _ = ddp(batch, tgt, steps=args.ttt)
+                    (loss / args.grad_accum).backward()
+                sums = [sums[0] + loss.item(), sums[1] + ent.item(), sums[2] + float(batch["mask"].sum())]
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             opt.step()
             sched.step()
-            tokens = float(batch["mask"].sum())
-            mloss, ment, mtok = d.mean([loss.item(), ent.item(), tokens])
+            mloss, ment, mtok = d.mean([sums[0] / args.grad_accum, sums[1] / args.grad_accum, sums[2]])
             rate = mtok * d.world / (time.perf_counter() - t0)
             if not math.isfinite(mloss) or mloss > 1e4:
                 _write(progress, {"step": step, "total_steps": args.steps, "loss": None, "kl": None,
@@ -312,15 +406,17 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
             progress.close()
 
 
-def _rank_batches(cache: dict, corpus: Corpus, args, d: Dist, step: int) -> list:
-    """This rank's batch for `step`: a pure function of (seed, step), so resume is exact."""
-    every = batches(corpus.train, budget=args.token_budget, seed=args.seed, epoch=0)
-    per_rank = max(1, len(every) // d.world)
-    epoch, i = divmod(step - 1, per_rank)
-    if epoch not in cache:
-        cache.clear()
-        cache[epoch] = batches(corpus.train, budget=args.token_budget, seed=args.seed, epoch=epoch)
-    all_batches = cache[epoch]
+def _rank_batches(cache: dict, corpus: Corpus, args, d: Dist, number: int) -> list:
+    """This rank's `number`th batch (1-based; --grad-accum of them per step): a pure function of (seed,
+    number), so resume is exact."""
+    if "per_rank" not in cache:  # the epoch-0 batching, counted once
+        every = batches(corpus.train, budget=args.token_budget, seed=args.seed, epoch=0)
+        cache["per_rank"] = max(1, len(every) // d.world)
+    epoch, i = divmod(number - 1, cache["per_rank"])
+    if cache.get("epoch") != epoch:
+        cache["epoch"] = epoch
+        cache["batches"] = batches(corpus.train, budget=args.token_budget, seed=args.seed, epoch=epoch)
+    all_batches = cache["batches"]
     return all_batches[(i * d.world + d.rank) % len(all_batches)]
 
 
