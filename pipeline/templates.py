@@ -64,8 +64,9 @@ out = "<EXTRACT_OUT>"
 restart = "on-failure"
 
 [stages.train]
-# --token-budget: padded tokens per batch per GPU; 1024–2048 on 80–96 GB GPUs at H = 7,168
-# (README: memory table). Other flags: --lr 3e-3, --seed 0, --save-every 50, --eval-every 0
+# --token-budget: padded tokens per batch per GPU; 2048 on 80–96 GB GPUs at H = 7,168, 4096 for
+# Llama-3.1-8B (README: settings for real targets). Other flags: --lr 1e-4, --warmup-ratio 0.015
+# (then cosine), --max-grad-norm 0.5, --grad-accum 1, --max-length 2048, --seed 0, --save-every 50, --eval-every 0
 # (at the end), --log-every 1, --resume, --skip-bad (docs/operator.md: trainer flags).
 argv = ["{BIN}/torchrun", "--standalone", "--nproc-per-node", "4", "-m", "pipeline.train",
         "--data", "<EXTRACT_OUT>", "--target-model", "<MODEL_PATH>", "--out", "<CKPT_DIR>",

@@ -42,7 +42,9 @@ def config_text(*, python: str, port: int, steps: int = TRAIN_STEPS) -> str:
                "--concurrency", "4", "--server-wait", "120"]
     train = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline.train",
              "--data", "out", "--target-model", "target", "--out", "ckpt", "--steps", str(steps),
-             "--lr", "1e-2", "--ttt", "5", "--token-budget", "1024", "--save-every", "100"]
+             "--lr", "1e-2", "--ttt", "5", "--token-budget", "1024", "--save-every", "100",
+             # the toy's own settings (the defaults are a real draft's: 1e-4, cosine, clip 0.5)
+             "--schedule", "constant", "--warmup-ratio", "0.05", "--max-grad-norm", "1.0"]
     return f"""# eagle3-ops demo workspace: the toy pipeline on this machine's CPU.
 [monitor]
 tick_s = 1
