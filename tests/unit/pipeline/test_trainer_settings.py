@@ -62,3 +62,43 @@ def test_llama_target_shape_and_its_head_dim():
     assert draft_shape(args(), gemma_like, 4096)[0]["head_dim"] == 256
     with pytest.raises(UserError, match="the heads must divide by the key/value heads"):
         draft_shape(args("--heads", "12"), llama, 4096)
+
+
+def test_frozen_target_tensors_are_bf16_on_a_gpu_and_the_target_is_formed_from_them():
+    import torch
+
+    from pipeline.train.model import build_target, frozen_dtype
+
+    assert frozen_dtype(torch.device("cuda", 0)) == torch.bfloat16 and frozen_dtype("cpu") == torch.float32
+
+    class Vocab:  # what build_target reads of the draft: its vocabulary maps
+        t2d = torch.ones(6, dtype=torch.bool)
+
+        def hot_ids(self):
+            return torch.arange(6)
+
+    final = torch.randn(1, 3, 4)
+    head = torch.randn(6, 4)
+    batch = {"final": final, "mask": torch.ones(1, 3, dtype=torch.bool)}
+    exact = build_target(batch, Vocab(), head)["p"]
+    half = build_target(batch, Vocab(), head.to(torch.bfloat16))["p"]  # as on a GPU: no fp32 copy of the head
+    assert half.dtype == torch.float32 and torch.allclose(half, exact, atol=0.05)
+
+
+def test_nested_text_configs_and_prefixed_tensors(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.train.target import load_target
+
+    for key, prefix in (("language_config", "model.language_model."), ("text_config", "language_model.model.")):
+        d = tmp_path / key
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"tie_word_embeddings": True, key: {"hidden_size": 4, "vocab_size": 6}}))
+        save_file({f"{prefix}embed_tokens.weight": torch.ones(6, 4), f"{prefix}norm.weight": torch.ones(4)},
+                  d / "model.safetensors")
+        t = load_target(str(d), need_norm=True)
+        assert t.config["hidden_size"] == 4 and t.config["tie_word_embeddings"] is True
+        assert t.head is t.embed and t.norm is not None  # tied: the embedding is the head
