@@ -306,7 +306,7 @@ def lr_factor(args):
             return (s + 1) / warmup
         if args.schedule == "constant":
             return 1.0
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (s + 1 - warmup) / decay)))
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (s - warmup) / decay)))  # > 0 at the last step
 
     return factor
 
@@ -363,8 +363,9 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
                 tgt = build_target(batch, model, head, ctx.final_norm)
                 # gradients are all-reduced once per optimizer step, on its last batch
                 sync = ddp.no_sync() if d.world > 1 and micro < args.grad_accum - 1 else contextlib.nullcontext()
-                with sync, torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=d.device.type == "cuda"):
-                    loss, ent, _ = ddp(batch, tgt, steps=args.ttt)
+                with sync:
+                    with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=d.device.type == "cuda"):
+                        loss, ent, _ = ddp(batch, tgt, steps=args.ttt)
                     (loss / args.grad_accum).backward()
                 sums = [sums[0] + loss.item(), sums[1] + ent.item(), sums[2] + float(batch["mask"].sum())]
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
