@@ -350,6 +350,31 @@ def cmd_extract(args) -> int:
                            max_inflight_gb=args.max_inflight_gb, parse_workers=args.parse_workers))
 
 
+@command("prepare", "a chat dataset (ShareGPT or messages) rendered with the target's chat template, loss mask on the "
+                    "assistant's tokens only: the extraction's input",
+         example="eagle3 prepare --target-model /models/Llama-3.1-8B-Instruct --data sharegpt.jsonl --out train.jsonl",
+         args=(arg("--target-model", required=True, metavar="DIR",
+                   help="the target's Hugging Face directory: its tokenizer and chat template (read locally)"),
+               arg("--data", required=True, help="JSONL: ShareGPT 'conversations' or OpenAI-style 'messages'"),
+               arg("--out", required=True, help="JSONL to write (atomically): id, input_ids, loss_mask; and "
+                                                "OUT.meta.json beside it"),
+               arg("--format", choices=("sharegpt", "messages", "auto"), default="auto",
+                   help="input format (default auto: per line)"),
+               arg("--max-length", type=int, help="cut conversations to this many tokens (counted)"),
+               arg("--system", metavar="TEXT", help="a system prompt for conversations that have none"),
+               arg("--trust-remote-code", action="store_true",
+                   help="allow the model's own tokenizer code (Kimi's tiktoken tokenizer needs it)"),
+               arg("--show", type=int, default=0, metavar="K",
+                   help="print the first K conversations' tokens, those trained on in ⟦…⟧")))
+def cmd_prepare(args) -> int:
+    from pipeline.prepare import prepare
+    if args.max_length is not None and args.max_length < 2:
+        raise UserError(f"--max-length {args.max_length}: must be at least 2")
+    prepare(target_model=args.target_model, data=Path(args.data), out=Path(args.out), fmt=args.format,
+            max_length=args.max_length, system=args.system, trust_remote_code=args.trust_remote_code, show=args.show)
+    return 0
+
+
 @command("verify", "open random extracted files and check keys, shapes, token ids and finiteness",
          example="eagle3 verify /data/hs --sample 500",
          args=(arg("out", help="extraction output directory"),

@@ -27,6 +27,7 @@ from pipeline.extract.parse_worker import ParseWorker, WorkerDied
 from pipeline.extract.preflight import Plan, fetch_info, plan
 from pipeline.extract.progress_line import ProgressLine
 from pipeline.extract.response import BadResponse
+from pipeline.prepare import read_meta as read_prepare_meta
 from pipeline.extract.storing import LAYER_CONVENTION, DiskError, Stored, StoreSpec, store_answer
 from pipeline.extract.writer import DTYPES, remove_temp_files, sample_path
 from pipeline.layout import HIDDEN_DIR
@@ -155,6 +156,9 @@ class Extractor:
                            "final_slot": "post-norm" if p.final_present else "",
                            "data_path": str(Path(self.o.data).resolve()), "server_version": p.version,
                            "max_inflight_bytes": int(self.budget), "inflight_bytes": 0})
+        prepared = read_prepare_meta(Path(self.o.data))
+        if prepared is not None:  # `eagle3 prepare` wrote the data: its template, tokenizer and counts
+            manifest.set_meta({"prepared": json.dumps(prepared, sort_keys=True)})
         done = manifest.done()
         missing = [i for i in done if not sample_path(self.o.out, i).exists()]
         if missing:

@@ -1,0 +1,189 @@
+"""`eagle3 prepare` (issue 34): chat templates rendered, assistant-only loss masks, on tiny tokenizers built here."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import UserError
+from pipeline.prepare import Renderer, load_tokenizer, prepare, read_meta, turns_of
+
+pytestmark = pytest.mark.timeout(60)
+
+# Written from the documented formats (Llama-3.1's model card; Kimi-K2's tokenizer_config), without their extras.
+LLAMA31 = ("{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+           "{{- m['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+           "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+# the same, with a generation prompt whose whitespace `{%-` strips: the mask must not change
+LLAMA31_STRIPPED = LLAMA31.replace("{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}",
+                                   "<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
+KIMI = ("{%- for m in messages %}{%- if m['role'] == 'system' %}<|im_system|>system<|im_middle|>"
+        "{%- elif m['role'] == 'user' %}<|im_user|>user<|im_middle|>{%- else %}<|im_assistant|>assistant<|im_middle|>"
+        "{%- endif %}{{ m['content'] }}<|im_end|>{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{%- endif %}")
+# ChatML with {% generation %} markers: transformers' own assistant mask to agree with
+MARKED = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{%- if m['role'] == 'assistant' %}"
+          "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{%- else %}{{ m['content'] }}<|im_end|>"
+          "{%- endif %}\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_system|>",
+            "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<|im_start|>"]
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo!"}, {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "ok."}]
+
+
+H = "<|start_header_id|>", "<|end_header_id|>\n\n"
+
+
+def tokenizer_dir(root: Path, template: str) -> Path:
+    """A character-level fast tokenizer (every printable character one token, the template's markers special)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["[UNK]", *string.printable])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                   unk_token="[UNK]")
+    fast.chat_template = template
+    path = root / f"tok-{abs(hash(template))}"
+    fast.save_pretrained(path)
+    return path
+
+
+def by_hand(tok, segments: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    """Ids and mask of hand-split text: each (text, trained) piece tokenized alone (markers and characters)."""
+    ids, mask = [], []
+    for text, trained in segments:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [trained] * len(piece)
+    return ids, mask
+
+
+LLAMA_SEGMENTS = [(f"<|begin_of_text|>{H[0]}system{H[1]}Be brief.<|eot_id|>{H[0]}user{H[1]}hi<|eot_id|>"
+                   f"{H[0]}assistant{H[1]}", 0), ("yo!<|eot_id|>", 1),
+                  (f"{H[0]}user{H[1]}more<|eot_id|>{H[0]}assistant{H[1]}", 0), ("ok.<|eot_id|>", 1)]
+
+
+@pytest.mark.parametrize("template, segments", [
+    (LLAMA31, LLAMA_SEGMENTS), (LLAMA31_STRIPPED, LLAMA_SEGMENTS),
+    (KIMI, [("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>"
+             "<|im_assistant|>assistant<|im_middle|>", 0), ("yo!<|im_end|>", 1),
+            ("<|im_user|>user<|im_middle|>more<|im_end|><|im_assistant|>assistant<|im_middle|>", 0),
+            ("ok.<|im_end|>", 1)]),
+])
+def test_masks_equal_hand_computed_ones_on_documented_templates(tmp_path, template, segments):
+    """Multi-turn with a system prompt: 1 on each assistant turn's tokens and its end-of-turn token, 0 elsewhere."""
+    tok = load_tokenizer(str(tokenizer_dir(tmp_path, template)), trust_remote_code=False)
+    got = Renderer(tok).prepare(CONVERSATION, max_length=None)
+    ids, mask = by_hand(tok, segments)
+    assert got.input_ids == ids and got.loss_mask == mask
+
+
+def test_masks_agree_with_the_generation_markers_own():
+    import tempfile
+
+    tok = load_tokenizer(str(tokenizer_dir(Path(tempfile.mkdtemp()), MARKED)), trust_remote_code=False)
+    theirs = tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ours = Renderer(tok).prepare(CONVERSATION, max_length=None)
+    assert ours.input_ids == list(theirs["input_ids"]) and ours.loss_mask == list(theirs["assistant_masks"])
+
+
+def test_a_slow_tokenizer_is_tokenized_piecewise_to_the_same_mask(tmp_path):
+    tok = load_tokenizer(str(tokenizer_dir(tmp_path, KIMI)), trust_remote_code=False)
+
+    class Slow:  # no offsets, as a tiktoken-based remote-code tokenizer
+        is_fast = False
+        chat_template = tok.chat_template
+
+        def apply_chat_template(self, *a, **kw):
+            return tok.apply_chat_template(*a, **kw)
+
+        def encode(self, text, add_special_tokens=False):
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    fast = Renderer(tok).prepare(CONVERSATION, max_length=None)
+    slow = Renderer(Slow()).prepare(CONVERSATION, max_length=None)
+    assert (slow.input_ids, slow.loss_mask) == (fast.input_ids, fast.loss_mask)
+
+
+def test_formats_and_roles():
+    share = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
+    assert turns_of(share, "auto") == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert turns_of({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+                    "messages")[1]["role"] == "assistant"
+
+
+def test_a_file_with_bad_lines_prepares_the_rest_names_each_and_writes_the_sidecar(tmp_path, capsys):
+    tdir = tokenizer_dir(tmp_path, LLAMA31)
+    good = {"id": "c1", "messages": CONVERSATION[1:]}
+    lines = [json.dumps(good), "{not json", json.dumps({"messages": [{"role": "robot", "content": "x"}]}),
+             json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "  "}]}),
+             json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+             json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+                                           {"from": "human", "value": "x" * 80}, {"from": "gpt", "value": "b"}]}),
+             json.dumps({"messages": [{"role": "user", "content": "q" * 80}, {"role": "assistant", "content": "a"}]})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "train.jsonl"
+    s = prepare(target_model=str(tdir), data=tmp_path / "in.jsonl", out=out, max_length=60, system="Be brief.",
+                show=1)
+    err = capsys.readouterr().err
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["c1", "line-6"] and s.conversations == 2 and s.cut == 2
+    assert all(len(r["input_ids"]) == len(r["loss_mask"]) <= 60 for r in rows)
+    assert "line 2: not JSON" in err and "line 3: turn 1: unknown role 'robot'" in err
+    assert "line 4: turn 2: empty assistant turn" in err and "line 5: no assistant turn: nothing to train on" in err
+    assert "line 7: no assistant token left within --max-length 60" in err
+    assert "prepare: 2 conversations" in err and "5 line(s) skipped" in err and "2 cut to --max-length" in err
+    assert "⟦yo!<|eot_id|>⟧" in err  # --show 1: the tokens trained on, marked
+    meta = read_meta(out)
+    assert meta["conversations"] == 2 and meta["skipped"] == 5 and len(meta["chat_template_sha256"]) == 64
+    assert (tmp_path / "train.meta.json").exists() and not list(tmp_path.glob(".train*"))
+
+
+def test_refusals_are_one_line(tmp_path):
+    with pytest.raises(UserError, match="not a directory"):
+        load_tokenizer(str(tmp_path / "nope"), trust_remote_code=False)
+    plain = tokenizer_dir(tmp_path, LLAMA31)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in plain.glob("chat_template*"):
+        f.unlink()
+    with pytest.raises(UserError, match="has no chat template"):
+        load_tokenizer(str(plain), trust_remote_code=False)
+
+
+def test_prepared_data_is_what_extraction_reads_and_records(tmp_path):
+    """prepare → extract on the toy server: the loss mask reaches the hidden-state files, the sidecar the manifest."""
+    import sqlite3
+
+    from safetensors import safe_open
+
+    from tests.conftest import eagle3
+    from tests.toy import ToyServer
+
+    tdir = tokenizer_dir(tmp_path, KIMI)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"c{i}", "messages": CONVERSATION}) + "\n"
+                                               for i in range(3)))
+    prepare(target_model=str(tdir), data=tmp_path / "in.jsonl", out=tmp_path / "train.jsonl", say=lambda m: None)
+    row = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    server = ToyServer()
+    try:
+        res = eagle3("extract", "--server", server.url, "--data", str(tmp_path / "train.jsonl"), "--out",
+                     str(tmp_path / "out"))
+    finally:
+        server.stop()
+    assert res.returncode == 0, res.stderr
+    with safe_open(str(tmp_path / "out" / "hidden_states" / "hs_0.safetensors"), "pt") as f:
+        assert f.get_tensor("loss_mask").tolist() == row["loss_mask"]
+    conn = sqlite3.connect(tmp_path / "out" / "manifest.sqlite")
+    prepared = json.loads(conn.execute("SELECT value FROM meta WHERE key = 'prepared'").fetchone()[0])
+    conn.close()
+    assert prepared["conversations"] == 3 and prepared["chat_template_sha256"] == read_meta(
+        tmp_path / "train.jsonl")["chat_template_sha256"]
