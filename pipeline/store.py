@@ -8,6 +8,7 @@ silently starting over would forget running stages and their evidence.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sqlite3
 import time
@@ -92,6 +93,9 @@ def _connect(path: Path) -> sqlite3.Connection:
 CONSOLE_CHANNEL = "console"  # the outbox channel of messages printed by the console transport
 
 
+OPEN_RETRY_S = 10.0  # how long opening retries a store that another process is creating
+
+
 class Store:
     """Typed access to the state store; one instance per process."""
 
@@ -101,10 +105,25 @@ class Store:
         request path opens the store with it off, so an ack does not grow with the store."""
         self.path = Path(path)
         self.clock = clock
-        existed = self.path.exists() and self.path.stat().st_size > 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + OPEN_RETRY_S
+        for attempt in itertools.count():
+            existed = self.path.exists() and self.path.stat().st_size > 0
+            try:
+                self._open(existed, check_integrity)
+                return
+            except sqlite3.OperationalError as exc:
+                # switching a store another process is creating to WAL can answer "locked" at once, without
+                # waiting on the busy timeout: try again, briefly
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise self._unusable(exc) from None
+                time.sleep(min(0.5, 0.02 * 2 ** attempt))
+            except sqlite3.DatabaseError as exc:
+                raise self._unusable(exc) from None
+
+    def _open(self, existed: bool, check_integrity: bool) -> None:
+        conn = _connect(self.path)
         try:
-            conn = _connect(self.path)
             if existed:
                 self._check_existing(conn, integrity=check_integrity)
             conn.execute("PRAGMA journal_mode = WAL")
@@ -113,11 +132,13 @@ class Store:
             if not existed or migrations.pending(self.db):
                 with self.atomic():  # IMMEDIATE: a second process opening a store being created waits for it
                     migrations.apply(self.db)
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(
-                f"{self.path}: not a usable eagle3 store ({exc}); move it aside to keep its evidence, "
-                "then run the command again to start a new store"
-            ) from None
+        except sqlite3.DatabaseError:
+            conn.close()
+            raise
+
+    def _unusable(self, exc: Exception) -> StoreError:
+        return StoreError(f"{self.path}: not a usable eagle3 store ({exc}); move it aside to keep its evidence, "
+                          "then run the command again to start a new store")
 
     def _check_existing(self, conn: sqlite3.Connection, *, integrity: bool) -> None:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
