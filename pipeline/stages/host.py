@@ -16,10 +16,45 @@ import psutil
 
 from pipeline.config import RUN_ENV, Workspace, without_secrets
 
-# create_time is boot time plus the kernel's start time in clock ticks (10 ms), so
-# the same process always reads the same value; a reused pid reads a later one, at
-# least one tick later. The tolerance only absorbs float round-off.
+# A process's identity is (pid, start): the kernel's start time in clock ticks since boot (/proc/<pid>/stat),
+# so the same process always reads the same value and a reused pid reads a later one, at least one tick
+# later. Not psutil's create_time: that is boot time plus the ticks, and the boot time the kernel reports
+# moves with every step of the wall clock (NTP, a VM's clock sync), so a process read before and after a
+# step looks like another process — seen here: a 9-s step made the supervisor take a live server for a
+# reused pid and leave it running, holding its port. Rows recorded before hold psutil's wall-clock value
+# (above BOOT_RELATIVE_BELOW) and are compared as such. The tolerance only absorbs float round-off.
 CREATE_TIME_TOLERANCE_S = 0.001
+BOOT_RELATIVE_BELOW = 1e9  # a recorded start below this is seconds since boot; above, a wall-clock create_time
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def start_time(pid: int) -> float | None:
+    """A process's start as its identity records it: seconds since boot from /proc (immune to wall-clock
+    steps); psutil's create_time where /proc has no stat; None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+        return int(data[data.rindex(b")") + 2:].split()[19]) / CLOCK_TICKS
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, IndexError):
+        try:
+            return psutil.Process(pid).create_time()
+        except psutil.Error:
+            return None
+
+
+def started(pid: int, like: float, *, wall: float | None = None) -> float | None:
+    """A process's start in the form of the recorded value `like`: since boot, or (a row recorded before)
+    psutil's wall-clock create_time (`wall`, when the caller has it)."""
+    if like < BOOT_RELATIVE_BELOW:
+        return start_time(pid)
+    if wall is not None:
+        return wall
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 @dataclass(frozen=True)
@@ -43,7 +78,10 @@ class RealHost:
             return "gone"
         try:
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - create_time) > CREATE_TIME_TOLERANCE_S:
+            now = started(pid, create_time, wall=None if create_time < BOOT_RELATIVE_BELOW else proc.create_time())
+            if now is None:
+                return "gone"
+            if abs(now - create_time) > CREATE_TIME_TOLERANCE_S:
                 return "reused"
             return "gone" if proc.status() == psutil.STATUS_ZOMBIE else "alive"
         except psutil.NoSuchProcess:
@@ -52,11 +90,8 @@ class RealHost:
             return "unverifiable"
 
     def create_time(self, pid: int) -> float | None:
-        """A process's create_time, or None if it is gone."""
-        try:
-            return psutil.Process(pid).create_time()
-        except psutil.Error:
-            return None
+        """A process's start as its row records it (`start_time`), or None if it is gone."""
+        return start_time(pid)
 
     def members(self, pgid: int, since: float) -> list[Member]:
         """Live processes in process group or session `pgid`, created at or after `since`.
@@ -67,14 +102,15 @@ class RealHost:
         found = []
         for proc in psutil.process_iter(["pid", "name", "create_time", "status"]):
             info = proc.info
-            if info["status"] == psutil.STATUS_ZOMBIE or (info["create_time"] or 0) < since - CREATE_TIME_TOLERANCE_S:
+            start = started(info["pid"], since, wall=info["create_time"])
+            if info["status"] == psutil.STATUS_ZOMBIE or start is None or start < since - CREATE_TIME_TOLERANCE_S:
                 continue
             try:
                 if os.getpgid(info["pid"]) != pgid and os.getsid(info["pid"]) != pgid:
                     continue
             except OSError:
                 continue
-            found.append(Member(info["pid"], info["name"] or "?", info["create_time"]))
+            found.append(Member(info["pid"], info["name"] or "?", start))
         return found
 
     def kill(self, pid: int, sig: int, *, group: bool) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 
 from pipeline.observe.probes import Reading, known, unknown
+from pipeline.stages.host import started
 from pipeline.stages.states import StageState, has_ended
 
 
@@ -17,7 +18,8 @@ def group_processes(pgid: int, since: float) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["pid", "create_time"]):
         try:
-            if proc.info["create_time"] < since - 0.001:
+            start = started(proc.info["pid"], since, wall=proc.info["create_time"])
+            if start is None or start < since - 0.001:
                 continue
             pid = proc.info["pid"]
             if os.getpgid(pid) == pgid or os.getsid(pid) == pgid:

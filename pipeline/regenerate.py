@@ -1,0 +1,283 @@
+"""`eagle3 regenerate`: every assistant turn of a prepared dataset answered again by the target itself,
+so the draft learns the target's distribution and not the dataset's.
+
+Input: `eagle3 prepare`'s lines ({"id", "input_ids", "loss_mask"}). Each run of loss_mask 1 is an assistant
+turn, ending with its end-of-turn token; the tokens before it are the conversation so far and the template's
+generation prompt. For each turn in order, the target gets (what it has generated so far for the earlier
+turns) + (the original tokens up to the turn) through SGLang's `/generate` on token ids, with the turn's
+end-of-turn token as a stop token, and its answer replaces the turn. The answer's tokens are trained on; an
+answer that reaches `--max-new-tokens` is closed with the end-of-turn token (not trained on, not the
+target's) so the conversation keeps its shape, and counted.
+
+Resumable and exact like the extraction: `OUT.parts/` holds `manifest.sqlite` (the same table as the
+extraction's: a row per sample, done or failed) and one small JSON file per finished sample
+(`lines/<idx>.json`, fsync-ed before its row is written). A restart — after kill -9 too — redoes only what
+has no row, nothing is written twice, and `OUT` itself is written once, atomically, in input order, when
+every sample has a row. The monitor reads `OUT.parts/manifest.sqlite` for progress and ETA and
+`OUT.parts/lines/` for the new-file rate, as for the extraction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from pipeline.errors import UserError
+from pipeline.extract.dataset import scan
+from pipeline.layout import lines_dir, parts_dir
+from pipeline.manifest import Manifest
+
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass
+class Options:
+    server: str
+    data: Path
+    out: Path
+    max_new_tokens: int = 4096
+    temperature: float = 0.7
+    concurrency: int = 16
+    max_retries: int = 3
+    timeout_s: float = 900.0
+    server_wait_s: float = 0.0
+    force: bool = False
+
+
+class TurnError(Exception):
+    """This sample cannot be regenerated (recorded as failed with the reason)."""
+
+
+def assistant_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+class Regenerator:
+    def __init__(self, o: Options, *, say=None) -> None:
+        self.o = o
+        self.say = say or (lambda m: print(f"regenerate: {m}", file=sys.stderr, flush=True))
+        self.client = httpx.Client(timeout=o.timeout_s, limits=httpx.Limits(max_connections=o.concurrency + 2))
+        self.stop = threading.Event()
+        self.cut_turns = 0
+        self.lock = threading.Lock()
+
+    # --- one sample -----------------------------------------------------------------------------------
+    def generate(self, prompt: list[int], eot: int) -> tuple[list[int], bool]:
+        """The target's answer to `prompt`, ending with `eot` ((tokens, whether it stopped by itself))."""
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": self.o.max_new_tokens,
+                                                         "temperature": self.o.temperature, "stop_token_ids": [eot]}}
+        last = None
+        for attempt in range(self.o.max_retries + 1):
+            if self.stop.is_set():
+                raise InterruptedError
+            try:
+                r = self.client.post(f"{self.o.server.rstrip('/')}/generate", json=body)
+                if r.status_code >= 500 or r.status_code == 429:
+                    raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+                if r.status_code != 200:
+                    raise TurnError(f"/generate answered HTTP {r.status_code}: {r.text[:200]}")
+                out = r.json().get("output_ids")
+                if not isinstance(out, list) or not all(isinstance(t, int) for t in out):
+                    raise TurnError("/generate answered without output_ids")
+                return self._closed(out, eot)
+            except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as exc:
+                last = exc
+                time.sleep(min(8.0, 0.5 * 2 ** attempt))
+        raise TurnError(f"/generate failed {self.o.max_retries + 1} times ({type(last).__name__}: {last})")
+
+    def _closed(self, out: list[int], eot: int) -> tuple[list[int], bool]:
+        if eot in out:  # SGLang includes the matched stop token (finished_len = its position + 1)
+            return out[: out.index(eot) + 1], True
+        return out, False
+
+    def regenerate(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        """A sample's tokens and loss mask with every assistant turn the target's own."""
+        runs = assistant_runs(mask)
+        if not runs:
+            raise TurnError("no loss_mask 1 anywhere: no assistant turn to regenerate (prepare it with eagle3 prepare)")
+        new_ids, new_mask, cursor = [], [], 0
+        for start, end in runs:
+            eot = ids[end - 1]  # the turn's end-of-turn token, as the template wrote it
+            new_ids += ids[cursor:start]
+            new_mask += [0] * (start - cursor)
+            answer, stopped = self.generate(new_ids, eot)
+            new_ids += answer
+            new_mask += [1] * len(answer)
+            if not stopped:  # cut at --max-new-tokens: closed so the conversation keeps its shape
+                new_ids.append(eot)
+                new_mask.append(0)
+                with self.lock:
+                    self.cut_turns += 1
+            cursor = end
+        new_ids += ids[cursor:]
+        new_mask += [0] * (len(ids) - cursor)
+        return new_ids, new_mask
+
+    # --- the run --------------------------------------------------------------------------------------
+    def run(self) -> int:
+        o = self.o
+        if not o.data.is_file():
+            raise UserError(f"--data {o.data}: no such file")
+        from pipeline.extract.preflight import fetch_info
+
+        fetch_info(o.server, wait_s=o.server_wait_s, say=self.say)
+        data = scan(o.data)
+        parts = parts_dir(o.out)
+        lines_dir(o.out).mkdir(parents=True, exist_ok=True)
+        manifest = Manifest(parts)
+        meta = manifest.meta()
+        if meta.get("dataset_sha256") not in (None, data.sha256) and not o.force:
+            manifest.close()
+            raise UserError(f"{parts}: holds a regeneration of another dataset; use another --out, or --force")
+        manifest.set_meta({"dataset_sha256": data.sha256, "samples_total": len(data), "tokens_total": data.tokens_total,
+                           "tokens_sq_total": sum(n * n for n in data.tokens), "data_path": str(o.data.resolve()),
+                           "stage": "regenerate", "max_new_tokens": o.max_new_tokens, "temperature": o.temperature})
+        done = manifest.done()
+        missing = [i for i in done if not (lines_dir(o.out) / f"{i}.json").exists()]
+        if missing:  # a row without its file (a disk swapped under it): do them again
+            manifest.forget(missing)
+            done -= set(missing)
+        recorded = done | {r[0] for r in manifest.conn.execute("SELECT idx FROM samples WHERE status = 'failed'")}
+        todo = [i for i in range(len(data)) if i not in done]
+        retried = len([i for i in todo if i in recorded])
+        self.say(f"{len(data):,} conversations, {len(done):,} already regenerated, {len(todo):,} to do"
+                 + (f" ({retried:,} that failed before)" if retried else "")
+                 + f"; temperature {o.temperature}, up to {o.max_new_tokens:,} new tokens a turn, "
+                   f"{o.concurrency} at a time")
+        try:
+            self._work(data, todo, manifest)
+        finally:
+            manifest.close()
+            self.client.close()
+        return self._finish(data)
+
+    def _work(self, data, todo: list[int], manifest: Manifest) -> None:
+        fh = open(self.o.data, "rb")  # noqa: SIM115 - read by this thread only
+        pending, it, last = {}, iter(todo), time.monotonic()
+        count = {"done": 0, "failed": 0}
+        with ThreadPoolExecutor(max_workers=self.o.concurrency) as pool:
+            try:
+                while True:
+                    while len(pending) < self.o.concurrency:
+                        idx = next(it, None)
+                        if idx is None:
+                            break
+                        if idx in data.errors:
+                            self._record(manifest, idx, None, "failed", 0, data.errors[idx], 0.0)
+                            count["failed"] += 1
+                            continue
+                        ids, sid, mask = data.read_sample(fh, idx)
+                        pending[pool.submit(self._one, idx, ids, mask or [])] = (idx, sid, len(ids), time.time())
+                    if not pending:
+                        break
+                    finished, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        idx, sid, n, t0 = pending.pop(fut)
+                        try:
+                            line = fut.result()
+                        except TurnError as exc:
+                            self._record(manifest, idx, sid, "failed", n, str(exc), time.time() - t0)
+                            count["failed"] += 1
+                            continue
+                        self._write_line(idx, {"id": sid if sid is not None else f"line-{idx}", **line})
+                        self._record(manifest, idx, sid, "done", n, None, time.time() - t0)
+                        count["done"] += 1
+                    if time.monotonic() - last >= PROGRESS_EVERY_S:
+                        last = time.monotonic()
+                        self.say(f"{count['done']:,} regenerated, {count['failed']:,} failed this run, "
+                                 f"{len(pending)} in flight")
+            except KeyboardInterrupt:
+                self.stop.set()
+                raise
+            finally:
+                fh.close()
+
+    def _one(self, idx: int, ids: list[int], mask: list[int]) -> dict:
+        new_ids, new_mask = self.regenerate(ids, mask)
+        return {"input_ids": new_ids, "loss_mask": new_mask}
+
+    def _write_line(self, idx: int, obj: dict) -> None:
+        path = lines_dir(self.o.out) / f"{idx}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps(obj))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    @staticmethod
+    def _record(manifest, idx, sid, status, tokens, error, latency) -> None:
+        manifest.record(idx=idx, sample_id=sid, status=status, tokens=tokens, nbytes=None, attempts=1, error=error,
+                        now=time.time(), latency_s=latency if status == "done" else None)
+
+    def _finish(self, data) -> int:
+        """Write OUT in input order once every sample has a row; exit 0 when none failed."""
+        from pipeline.manifest import read_done, summarize
+
+        s = summarize(parts_dir(self.o.out))
+        if s["done"] + s["failed"] < len(data):
+            self.say(f"stopped with {s['done'] + s['failed']:,} of {len(data):,} done; run it again to go on")
+            return 1
+        _, done = read_done(parts_dir(self.o.out))
+        tmp = self.o.out.with_name(f".{self.o.out.name}.tmp-{os.getpid()}")
+        tokens = 0
+        with open(tmp, "w") as dst:
+            for idx in done:
+                line = (lines_dir(self.o.out) / f"{idx}.json").read_text()
+                tokens += len(json.loads(line)["input_ids"])
+                dst.write(line.rstrip("\n") + "\n")
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, self.o.out)
+        cut = f"; {self.cut_turns:,} turn(s) this run reached --max-new-tokens and were closed" if self.cut_turns else ""
+        self.say(f"wrote {self.o.out}: {s['done']:,} conversations, {tokens:,} tokens; {s['failed']:,} failed"
+                 + (f" (reasons in {parts_dir(self.o.out) / 'manifest.sqlite'})" if s["failed"] else "") + cut)
+        return 0 if not s["failed"] else 1
+
+
+def regenerate(o: Options, *, say=None) -> int:
+    """Entry point of `eagle3 regenerate`: 0 when every conversation was regenerated and OUT written."""
+    if o.concurrency < 1 or o.max_new_tokens < 1 or o.temperature < 0:
+        raise UserError("--concurrency and --max-new-tokens must be at least 1, --temperature at least 0")
+    return Regenerator(o, say=say).run()
+
+
+def complete(out: Path) -> tuple[bool, str]:
+    """Whether a regeneration into `out` is verified complete: every sample has a row, none failed, and OUT holds
+    one line per done sample; and why not."""
+    from pipeline.manifest import summarize
+
+    try:
+        s = summarize(parts_dir(out))
+    except (OSError, sqlite3.Error) as exc:
+        return False, f"no readable manifest ({exc})"
+    total = s.get("total")
+    if not total or s["done"] + s["failed"] < total:
+        return False, f"{s['done'] + s['failed']:,} of {total or '?'} conversations regenerated"
+    if s["failed"]:
+        return False, f"{s['failed']:,} conversation(s) failed; run regenerate again to retry them"
+    try:
+        with open(out, "rb") as fh:
+            lines = sum(1 for _ in fh)
+    except OSError:
+        return False, f"{out} is not written yet"
+    if lines != s["done"]:
+        return False, f"{out} holds {lines:,} lines, the manifest {s['done']:,} done"
+    return True, f"all {total:,} conversations regenerated into {out}"
