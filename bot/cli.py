@@ -375,6 +375,28 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+@command("regenerate", "every assistant turn of a prepared dataset answered again by the target (SGLang /generate on "
+                       "token ids), resumable; the extraction's input",
+         example="eagle3 regenerate --server http://127.0.0.1:30000 --data train.jsonl --out regen.jsonl",
+         args=(arg("--server", required=True, help="the target's SGLang URL"),
+               arg("--data", required=True, help="eagle3 prepare's output: id, input_ids, loss_mask"),
+               arg("--out", required=True, help="JSONL to write once every conversation is done (OUT.parts/ holds the "
+                                                "manifest and the finished ones meanwhile)"),
+               arg("--max-new-tokens", type=int, default=4096, help="longest answer per turn (default 4096)"),
+               arg("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7, as SpecForge's)"),
+               arg("--concurrency", type=int, default=16, help="conversations in flight (default 16)"),
+               arg("--max-retries", type=int, default=3, help="retries of a failed request (default 3)"),
+               arg("--server-wait", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds for a server that is still starting"),
+               arg("--force", action="store_true", help="continue into OUT.parts/ of another dataset")))
+def cmd_regenerate(args) -> int:
+    from pipeline.regenerate import Options, regenerate
+    return regenerate(Options(server=args.server, data=Path(args.data), out=Path(args.out),
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              concurrency=args.concurrency, max_retries=args.max_retries,
+                              server_wait_s=args.server_wait, force=args.force))
+
+
 @command("verify", "open random extracted files and check keys, shapes, token ids and finiteness",
          example="eagle3 verify /data/hs --sample 500",
          args=(arg("out", help="extraction output directory"),
@@ -458,10 +480,13 @@ def cmd_eval_draft(args) -> int:
          example="eagle3 demo   |   eagle3 demo --slack-channel C0123456",
          args=(arg("--slack-channel", metavar="C…",
                    help="post to this Slack channel instead of printing to the console (needs SLACK_BOT_TOKEN; default: "
-                        "the console transport)"),))
+                        "the console transport)"),
+               arg("--regenerate", action="store_true",
+                   help="begin with a regeneration stage: the toy target answers the conversations' assistant turns "
+                        "again, and auto-start starts extraction of them")))
 def cmd_demo(args) -> int:
     from bot.demo import run_demo
-    return run_demo(slack_channel=args.slack_channel)
+    return run_demo(slack_channel=args.slack_channel, regenerate=args.regenerate)
 
 
 def build_parser() -> argparse.ArgumentParser:

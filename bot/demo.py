@@ -46,7 +46,7 @@ def _demo_notifier(ws, slack_channel: str | None):
     return Notifier(ws=ws, client=client, channel=slack_channel), f"posting to Slack channel {slack_channel}"
 
 
-def run_demo(slack_channel: str | None = None) -> int:
+def run_demo(slack_channel: str | None = None, *, regenerate: bool = False) -> int:
     """Run the story; returns the exit status."""
     if slack_channel and not os.environ.get("SLACK_BOT_TOKEN"):
         raise UserError("demo --slack-channel: set SLACK_BOT_TOKEN (and invite the bot to the channel)")
@@ -54,7 +54,7 @@ def run_demo(slack_channel: str | None = None) -> int:
     log = root / "demo.log"
     logging.basicConfig(filename=log, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     _say(f"eagle3 demo — workspace {root} (stage logs and details: {log})")
-    cfg = write_demo_workspace(root)
+    cfg = write_demo_workspace(root, regenerate=regenerate)
     ws = load_workspace(cfg)
     ctl = Controller(workspace=ws)
     notifier, transport = _demo_notifier(ws, slack_channel)
@@ -67,9 +67,15 @@ def run_demo(slack_channel: str | None = None) -> int:
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
-        _say("1. starting the toy SGLang server and extraction of 300 samples")
-        ctl.start("server")
-        ctl.start("extract")
+        if regenerate:
+            _say("1. starting the toy SGLang server and the regeneration of 300 conversations' assistant turns by the "
+                 "target; auto-start starts extraction of the regenerated data when it is verified complete")
+            ctl.start("server")
+            ctl.start("regenerate")
+        else:
+            _say("1. starting the toy SGLang server and extraction of 300 samples")
+            ctl.start("server")
+            ctl.start("extract")
         # the run's status message first: milestones and handoff steps are replies in its thread
         notifier.post_status(ctl.store, ctl.status(sample_if_unmonitored=False), ctl.state_version())
         _say("2. an operator asks: train now? — the train-now guard answers:")

@@ -12,7 +12,7 @@ import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from pipeline.config import STAGE_NAMES, Workspace
+from pipeline.config import Workspace
 from pipeline.observe.verdict import VERDICTS
 
 log = logging.getLogger("eagle3.metrics")
@@ -46,8 +46,7 @@ class StoreCollector:
             ("eagle3_stage_up", "1 while the stage's process is running, 0 otherwise.", ["stage"]),
             ("eagle3_handoff_step", "1 for the auto-start handoff's current step, 0 for the others.", ["step"]),
         )}
-        for stage in STAGE_NAMES:
-            s = st.stages[stage]
+        for stage, s in st.stages.items():
             if s.progress_pct is not None:
                 g["eagle3_stage_progress_ratio"].add_metric([stage], s.progress_pct / 100.0)
             if s.eta_s is not None:

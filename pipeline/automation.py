@@ -6,7 +6,8 @@ import time
 
 from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import UserError
-from pipeline.handoff.machine import Handoff
+from pipeline.handoff.machine import ARMED, WAITING, Handoff, handoff_state
+from pipeline.regenerate import complete as regenerate_complete
 from pipeline.stages.states import StageState
 from pipeline.stages.supervisor import Supervisor
 from pipeline.store import Store
@@ -21,10 +22,44 @@ class Automation:
         self.handoff = Handoff(ws=ws, store=store, supervisor=self.sup, gpu_probe=gpu_probe, clock=clock, **handoff_kw)
 
     def tick(self) -> None:
-        """Restart what died, advance the handoff, post due reminders."""
+        """Restart what died, start extraction after a verified regeneration, advance the handoff, post due
+        reminders."""
         self.restart_policy()
+        self.chain()
         self.handoff.tick()
         self.reminders()
+
+    def chain(self) -> None:
+        """Regenerate → extract: with auto-start armed for the run, extraction starts by itself once this run's
+        regeneration exited 0 and is verified complete (every conversation done, none failed, OUT written
+        whole). The server stays up across the two; only the handoff to training stops it. Exactly once: the
+        launch is recorded before it is made, and any extraction of this run (started by hand too) ends it."""
+        cfg, run = self.ws.stage("regenerate"), self.store.current_run()
+        state = handoff_state(self.store)
+        if not cfg.argv or not cfg.out or run is None or not state or state.get("step") not in (ARMED, WAITING):
+            return
+        regen = self.store.latest_proc("regenerate", run=run)
+        if not regen or regen["state"] != StageState.EXITED or regen["exit_code"] != 0:
+            return
+        key = f"chain:{run}:extract"
+        if self.store.latest_proc("extract", run=run) or self.store.get(key):
+            return
+        ok, why = regenerate_complete(self.ws.resolve(cfg.out))
+        if not ok:
+            if self.store.get(f"{key}:refused") != why:
+                self.store.put(f"{key}:refused", why)
+                self.store.add_event(kind="handoff-alert", run_id=run, stage="regenerate", data={
+                    "reason": f"regeneration exited 0 but is not complete ({why}); extraction not started"})
+            return
+        self.store.put(key, self.clock())
+        try:
+            proc = self.sup.start("extract")
+        except UserError as exc:
+            self.store.add_event(kind="handoff-alert", run_id=run, stage="extract",
+                                 data={"reason": f"regeneration is complete but extraction could not start: {exc}"})
+            return
+        self.store.add_event(kind="chain", run_id=run, stage="extract", data={
+            "from": "regenerate", "reason": why, "pid": proc.get("pid")})
 
     def restart_policy(self) -> None:
         """`on-failure` stages that died (not stopped) restart with doubling backoff, up to their limit."""

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline.errors import ConfigError
 
-STAGE_NAMES = ("server", "extract", "train")
+STAGE_NAMES = ("server", "regenerate", "extract", "train")
+REQUIRED_STAGES = ("server", "extract", "train")  # regenerate is optional: shown once configured or run
 PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
 DEFAULT_CONFIG_NAME = "eagle3.toml"
 
@@ -37,7 +38,8 @@ class StageConfig(_Section):
     max_restarts: int = Field(default=3, ge=0, description="Restarts allowed under on-failure.")
     restart_backoff_s: float = Field(default=10.0, ge=0, description="First restart delay; doubles each time.")
     progress: Literal["auto", "manifest", "progress-jsonl", "log-regex", "files", "none"] = Field(
-        default="auto", description="Progress authority (auto: manifest for extract, progress.jsonl for train, none for server).")
+        default="auto", description="Progress authority (auto: manifest for extract and regenerate, progress.jsonl for "
+                                    "train, none for server).")
     progress_regex: str | None = Field(
         default=None, description="With progress = log-regex: a regex with groups (?P<done>…) and optionally (?P<total>…).")
     files_dir: str | None = Field(default=None, description="Output tree scanned for activity (default: extract out/hidden_states, train out).")
@@ -83,6 +85,14 @@ class ServerStage(StageConfig):
     port: int = Field(default=30000, ge=1, le=65535, description="Port the server listens on (checked free after a stop).")
 
 
+class RegenerateStage(StageConfig):
+    """Optional, before extraction: the target answers the dataset's assistant turns again (eagle3 regenerate)."""
+
+    data: str | None = Field(default=None, description="eagle3 prepare's JSONL (id, input_ids, loss_mask).")
+    out: str | None = Field(default=None, description="The regenerated JSONL (the extraction's data); OUT.parts/ holds "
+                                                      "its manifest.sqlite, the progress authority.")
+
+
 class ExtractStage(StageConfig):
     """The hidden-state extraction client."""
 
@@ -97,9 +107,11 @@ class TrainStage(StageConfig):
 
 
 class Stages(_Section):
-    """The three pipeline stages."""
+    """The pipeline stages (regenerate is optional)."""
 
     server: ServerStage = Field(default_factory=ServerStage, description="SGLang server stage.")
+    regenerate: RegenerateStage = Field(default_factory=RegenerateStage,
+                                        description="Optional regeneration stage (before extract; the server stays up).")
     extract: ExtractStage = Field(default_factory=ExtractStage, description="Extraction stage.")
     train: TrainStage = Field(default_factory=TrainStage, description="Training stage.")
 

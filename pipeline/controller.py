@@ -7,7 +7,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.config import STAGE_NAMES, Workspace, find_config, load_workspace
+from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
@@ -256,7 +256,11 @@ class Controller:
             autostart="off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
             autostart_reason=(handoff or {}).get("reason"), outbox=self.store.outbox_summary(),
             transport=self._transport(monitored), slack_auth=self.store.get("slack_auth") if monitored else None,
-            stages={stage: self._stage_status(stage, now) for stage in STAGE_NAMES})
+            stages={stage: self._stage_status(stage, now) for stage in STAGE_NAMES if self._shown(stage)})
+
+    def _shown(self, stage: str) -> bool:
+        """Status shows server, extract and train always; the optional regenerate once configured or run."""
+        return stage in REQUIRED_STAGES or bool(self.ws.stage(stage).argv) or self.store.latest_proc(stage) is not None
 
     def _transport(self, monitored: bool) -> dict | None:
         """How `serve` receives Slack's commands and buttons (Socket Mode, HTTP), while it runs."""

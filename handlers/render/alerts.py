@@ -30,6 +30,8 @@ def event_message(event: dict, *, oncall: list[str], patterns: list[str] = ()) -
         return None  # a requested stop, a start, progressing ↔ slow: no message
     if kind == "handoff":
         return "handoff", f"auto-start: *{d['step']}* — {d['reason']}", "run"
+    if kind == "chain":
+        return "handoff", f"auto-start: *extraction started* — {d['reason']}; the server stays up", "run"
     if kind in ("handoff-alert", "restart-limit", "condition-alert"):
         return "alert", f":rotating_light: {mention(oncall)} {d['reason']}", None
     if kind == "transport-warning":

@@ -27,12 +27,12 @@ from pipeline.extract.parse_worker import ParseWorker, WorkerDied
 from pipeline.extract.preflight import Plan, fetch_info, plan
 from pipeline.extract.progress_line import ProgressLine
 from pipeline.extract.response import BadResponse
-from pipeline.prepare import read_meta as read_prepare_meta
 from pipeline.extract.storing import LAYER_CONVENTION, DiskError, Stored, StoreSpec, store_answer
 from pipeline.extract.writer import DTYPES, remove_temp_files, sample_path
 from pipeline.layout import HIDDEN_DIR
 from pipeline.manifest import Manifest
 from pipeline.observe.verdict import fmt_bytes
+from pipeline.prepare import read_meta as read_prepare_meta
 
 
 @dataclass

@@ -13,6 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from pipeline.config import STAGE_NAMES, Workspace
+from pipeline.layout import lines_dir, parts_dir
 from pipeline.observe.diagnosis import Diagnoser
 from pipeline.observe.probes import Reading, unknown
 from pipeline.observe.probes.disk import projected_need, read_disk
@@ -96,7 +97,7 @@ class Sampler:
         declared = self.ws.stage(stage).progress
         if declared != "auto":
             return declared
-        return {"extract": "manifest", "train": "progress-jsonl"}.get(stage, "none")
+        return {"extract": "manifest", "regenerate": "manifest", "train": "progress-jsonl"}.get(stage, "none")
 
     def _files_dir(self, stage: str) -> Path | None:
         cfg = self.ws.stage(stage)
@@ -105,12 +106,16 @@ class Sampler:
         out = getattr(cfg, "out", None)
         if out is None:
             return None
+        if stage == "regenerate":
+            return lines_dir(self.ws.resolve(out))
         return self.ws.resolve(out) / "hidden_states" if stage == "extract" else self.ws.resolve(out)
 
     def _progress_call(self, stage: str, files: dict):
         source, cfg = self._progress_source(stage), self.ws.stage(stage)
         if source == "manifest":
-            return lambda: read_manifest(self.ws.resolve(getattr(cfg, "out", None)), clock=self.clock)
+            out = self.ws.resolve(getattr(cfg, "out", None))
+            where = parts_dir(out) if stage == "regenerate" and out is not None else out
+            return lambda: read_manifest(where, clock=self.clock, stage=stage)
         if source == "progress-jsonl":
             return lambda: read_train_progress(self.ws.resolve(getattr(cfg, "out", None)), clock=self.clock)
         if source == "log-regex" and cfg.progress_regex:
@@ -133,7 +138,7 @@ class Sampler:
             if row["state"] == StageState.RUNNING and row["pgid"]:
                 pid_stage.update({p.pid: stage for p in group_processes(row["pgid"], row["create_time"] or 0)})
         calls = {"gpus": lambda: self.gpu.read(pid_stage)}
-        if "server" in active or "extract" in active:
+        if {"server", "regenerate", "extract"} & set(active):
             calls["server"] = self.server.read
         for stage, row in active.items():
             calls[f"{stage}.process"] = lambda row=row: read_process(row, clock=self.clock)
@@ -157,7 +162,7 @@ class Sampler:
         now = self.clock()
         obs: dict = {"t": now, "stage": stage}
         sections = {"process": f"{stage}.process", "progress": f"{stage}.progress", "files": f"{stage}.files",
-                    "gpus": "gpus", "server": "server" if stage in ("server", "extract") else None}
+                    "gpus": "gpus", "server": "server" if stage in ("server", "regenerate", "extract") else None}
         for section, key in sections.items():
             reading = readings.get(key) if key else None
             if reading is None:

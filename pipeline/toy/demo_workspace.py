@@ -22,24 +22,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_dataset(path: Path, n: int = SAMPLES, *, seed: int = 7) -> int:
-    """n samples of toy token ids, 32–256 tokens each; returns the token total."""
+EOT = 255  # the toy conversations' end-of-turn token (regenerate stops a turn at it)
+
+
+def write_dataset(path: Path, n: int = SAMPLES, *, seed: int = 7, turns: bool = False) -> int:
+    """n samples of toy token ids, 32–256 tokens each; returns the token total. With `turns`, each is a
+    conversation as `eagle3 prepare` writes it: user tokens, then an assistant turn ending with EOT, twice,
+    with loss_mask 1 on the assistant's tokens (what `eagle3 regenerate` reads)."""
     rng = random.Random(seed)
     total = 0
     with open(path, "w") as fh:
         for i in range(n):
-            ids = [rng.randrange(256) for _ in range(rng.randint(32, 256))]
+            if turns:
+                ids, mask = [], []
+                for _ in range(2):
+                    user = [rng.randrange(EOT) for _ in range(rng.randint(16, 96))]
+                    answer = [rng.randrange(EOT) for _ in range(rng.randint(8, 32))] + [EOT]
+                    ids, mask = ids + user + answer, mask + [0] * len(user) + [1] * len(answer)
+                line = {"id": f"demo-{i}", "input_ids": ids, "loss_mask": mask}
+            else:
+                ids = [rng.randrange(256) for _ in range(rng.randint(32, 256))]
+                line = {"id": f"demo-{i}", "input_ids": ids}
             total += len(ids)
-            fh.write(json.dumps({"id": f"demo-{i}", "input_ids": ids}) + "\n")
+            fh.write(json.dumps(line) + "\n")
     return total
 
 
-def config_text(*, python: str, port: int, steps: int = TRAIN_STEPS) -> str:
-    """The demo workspace's eagle3.toml."""
+def config_text(*, python: str, port: int, steps: int = TRAIN_STEPS, regenerate: bool = False) -> str:
+    """The demo workspace's eagle3.toml (with `regenerate`: a regeneration stage before extraction, whose
+    output the extraction reads)."""
     url = f"http://127.0.0.1:{port}"
     server = [python, "-m", "bot.cli", "toy-server", "--port", str(port)]
-    extract = [python, "-m", "bot.cli", "extract", "--server", url, "--data", "data.jsonl", "--out", "out",
+    data = "regenerated.jsonl" if regenerate else "data.jsonl"
+    extract = [python, "-m", "bot.cli", "extract", "--server", url, "--data", data, "--out", "out",
                "--concurrency", "4", "--server-wait", "120"]
+    regen = [python, "-m", "bot.cli", "regenerate", "--server", url, "--data", "data.jsonl", "--out", data,
+             "--concurrency", "4", "--max-new-tokens", "24", "--temperature", "0", "--server-wait", "120"]
+    regen_section = f"""
+[stages.regenerate]
+# the toy target answers each conversation's assistant turns again; auto-start then starts extraction
+argv = {json.dumps(regen)}
+data = "data.jsonl"
+out = "{data}"
+restart = "on-failure"
+restart_backoff_s = 1
+""" if regenerate else ""
     train = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline.train",
              "--data", "out", "--target-model", "target", "--out", "ckpt", "--steps", str(steps),
              "--lr", "1e-2", "--ttt", "5", "--token-budget", "1024", "--save-every", "100",
@@ -65,9 +92,10 @@ restart = "on-failure"
 max_restarts = 3
 restart_backoff_s = 1
 
+{regen_section}
 [stages.extract]
 argv = {json.dumps(extract)}
-data = "data.jsonl"
+data = "{data}"
 out = "out"
 restart = "on-failure"
 restart_backoff_s = 1
@@ -80,13 +108,13 @@ env = {{ MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS =
 """
 
 
-def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS) -> Path:
+def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS, regenerate: bool = False) -> Path:
     """Write data, the toy target's HF directory and eagle3.toml into `directory`; returns the config path."""
     from pipeline.toy.model import export_target
 
     directory.mkdir(parents=True, exist_ok=True)
-    write_dataset(directory / "data.jsonl")
+    write_dataset(directory / "data.jsonl", turns=regenerate)
     export_target(directory / "target")
     cfg = directory / "eagle3.toml"
-    cfg.write_text(config_text(python=sys.executable, port=_free_port(), steps=steps))
+    cfg.write_text(config_text(python=sys.executable, port=_free_port(), steps=steps, regenerate=regenerate))
     return cfg

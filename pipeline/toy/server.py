@@ -61,20 +61,30 @@ class ToyState:
             return 400, {"error": {"message": f"input_ids must be a non-empty list of ids in 0..{VOCAB - 1}"}}
         params = req.get("sampling_params") or {}
         new_tokens = max(1, int(params.get("max_new_tokens", 1)))
+        stop_ids = set(params.get("stop_token_ids") or [])
+        temperature = float(params.get("temperature") or 0.0)
+        finish = {"type": "length", "length": new_tokens}
         with self.lock:
             aux, final, logits = self.model(ids, capture=self.capture)
             out_ids, rows_decode = [], []
             seq, cur_logits = list(ids), logits[-1]
             for step in range(new_tokens):
-                tok = int(cur_logits.argmax())
+                if temperature > 0:  # sampled as SGLang does, from softmax(logits / T), by the server's seeded RNG
+                    weights = torch.softmax(cur_logits.float() / temperature, -1).tolist()
+                    tok = self.rng.choices(range(len(weights)), weights=weights)[0]
+                else:
+                    tok = int(cur_logits.argmax())
                 out_ids.append(tok)
+                if tok in stop_ids:  # SGLang keeps the matched stop token in output_ids
+                    finish = {"type": "stop", "matched": tok}
+                    break
                 if step < new_tokens - 1:  # each decode forward yields one hidden row
                     seq.append(tok)
                     a2, f2, l2 = self.model(seq, capture=self.capture)
                     rows_decode.append(self._pack(a2[-1:], f2[-1:])[0])
                     cur_logits = l2[-1]
-        meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": new_tokens},
-                "prompt_tokens": len(ids), "completion_tokens": new_tokens, "cached_tokens": 0}
+        meta = {"id": uuid.uuid4().hex, "finish_reason": finish,
+                "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": 0}
         if req.get("return_hidden_states"):
             rows = self._pack(aux, final)
             chunk = self.opts.chunked_prefill_size

@@ -12,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.errors import UserError
 from pipeline.draft.capture import AUX_IDS_EAGLE_CONFIG
+from pipeline.errors import UserError
 from pipeline.fileperm import honour_umask
 
 ARCH = "LlamaForCausalLMEagle3"  # torch-free here: the service reads draft_note after training

@@ -18,11 +18,18 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RUN_ENV
-from pipeline.errors import UserError
 from pipeline.draft import capture
+from pipeline.errors import UserError
 from pipeline.train import checkpoint, rope
 from pipeline.train.data import Corpus, batches, load_batch, load_corpus, token_counts
-from pipeline.train.model import DraftConfig, Eagle3Draft, RMSNorm, build_target, draft_vocab, frozen
+from pipeline.train.model import (
+    DraftConfig,
+    Eagle3Draft,
+    RMSNorm,
+    build_target,
+    draft_vocab,
+    frozen,
+)
 from pipeline.train.outdir import set_aside
 from pipeline.train.target import Target, load_target
 

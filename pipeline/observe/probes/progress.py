@@ -14,10 +14,10 @@ from pipeline.observe.probes import Reading, known, unknown
 from pipeline.stages.logfile import tail_lines
 
 
-def read_manifest(out_dir: Path | None, *, clock=time.time) -> Reading:
-    """Extraction progress from OUT/manifest.sqlite."""
+def read_manifest(out_dir: Path | None, *, clock=time.time, stage: str = "extract") -> Reading:
+    """Extraction (or regeneration) progress from its manifest.sqlite in `out_dir`."""
     if out_dir is None:
-        return unknown("stages.extract.out is not configured", clock=clock)
+        return unknown(f"stages.{stage}.out is not configured", clock=clock)
     try:
         return known(summarize(out_dir), clock=clock)
     except FileNotFoundError as exc:
