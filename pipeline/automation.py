@@ -44,7 +44,7 @@ class Automation:
         key = f"chain:{run}:extract"
         if self.store.latest_proc("extract", run=run) or self.store.get(key):
             return
-        ok, why = regenerate_complete(self.ws.resolve(cfg.out))
+        ok, why = regenerate_complete(self.ws.resolve(cfg.out), max_failed_share=self.ws.config.handoff.max_failed_share)
         if not ok:
             if self.store.get(f"{key}:refused") != why:
                 self.store.put(f"{key}:refused", why)

@@ -107,3 +107,26 @@ def test_regeneration_is_watched_then_starts_extraction_with_the_server_up(tmp_p
     assert len(chain) == 1 and "all 60 conversations regenerated" in chain[0]["data"]["reason"]
     assert len(extracts) == 1 and server["state"] == "running" and not server["stop_requested"]
     assert (cfg.parent / "regenerated.jsonl").read_text().count("\n") == 60
+
+
+def test_completion_weighs_failed_conversations_by_the_handoffs_share(tmp_path):
+    """A malformed line fails for good: the run still writes OUT and exits 0, and completion decides by the share."""
+    from pipeline.regenerate import complete
+    from pipeline.toy.demo_workspace import write_dataset
+    from tests.toy import ToyServer
+
+    write_dataset(tmp_path / "in.jsonl", 9, turns=True)
+    with open(tmp_path / "in.jsonl", "a") as fh:
+        fh.write('{"id": "bad", "input_ids": [1, 2, 3]}\n')  # no loss_mask: no assistant turn to regenerate
+    server = ToyServer()
+    try:
+        res = eagle3("regenerate", "--server", server.url, "--data", str(tmp_path / "in.jsonl"), "--out",
+                     str(tmp_path / "out.jsonl"), *ARGS, timeout=120)
+    finally:
+        server.stop()
+    assert res.returncode == 0, res.stderr
+    assert "9 conversations" in res.stderr and "1 failed" in res.stderr
+    assert complete(tmp_path / "out.jsonl") == (False, "1 conversation(s) failed, more than 0 % of 10; run "
+                                                       "regenerate again to retry them")
+    ok, why = complete(tmp_path / "out.jsonl", max_failed_share=0.1)
+    assert ok and "(1 failed, within 10 %)" in why
