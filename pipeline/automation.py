@@ -31,9 +31,10 @@ class Automation:
 
     def chain(self) -> None:
         """Regenerate → extract: with auto-start armed for the run, extraction starts by itself once this run's
-        regeneration exited 0 and is verified complete (every conversation done, none failed, OUT written
-        whole). The server stays up across the two; only the handoff to training stops it. Exactly once: the
-        launch is recorded before it is made, and any extraction of this run (started by hand too) ends it."""
+        regeneration exited 0 and is verified complete (every conversation has its row, the failed ones within
+        the handoff's max_failed_share, OUT written whole). The server stays up across the two; only the
+        handoff to training stops it. Exactly once: the launch is recorded before it is made, and any
+        extraction of this run (started by hand too) ends it."""
         cfg, run = self.ws.stage("regenerate"), self.store.current_run()
         state = handoff_state(self.store)
         if not cfg.argv or not cfg.out or run is None or not state or state.get("step") not in (ARMED, WAITING):
