@@ -42,15 +42,14 @@ class Automation:
         regen = self.store.latest_proc("regenerate", run=run)
         if not regen or regen["state"] != StageState.EXITED or regen["exit_code"] != 0:
             return
-        key = f"chain:{run}:extract"
-        if self.store.latest_proc("extract", run=run) or self.store.get(key):
-            return
+        key, refused = f"chain:{run}:extract", f"chain:{run}:refused:{regen['id']}"
+        if self.store.latest_proc("extract", run=run) or self.store.get(key) or self.store.get(refused):
+            return  # checked once per regeneration: its files do not change after it exited
         ok, why = regenerate_complete(self.ws.resolve(cfg.out), max_failed_share=self.ws.config.handoff.max_failed_share)
         if not ok:
-            if self.store.get(f"{key}:refused") != why:
-                self.store.put(f"{key}:refused", why)
-                self.store.add_event(kind="handoff-alert", run_id=run, stage="regenerate", data={
-                    "reason": f"regeneration exited 0 but is not complete ({why}); extraction not started"})
+            self.store.put(refused, why)
+            self.store.add_event(kind="handoff-alert", run_id=run, stage="regenerate", data={
+                "reason": f"regeneration exited 0 but is not complete ({why}); extraction not started"})
             return
         self.store.put(key, self.clock())
         try:

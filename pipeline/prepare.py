@@ -284,8 +284,7 @@ def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_
 
 def meta_path_of(data: Path) -> Path:
     """The sidecar of a prepared dataset: OUT.meta.json beside OUT."""
-    return data.with_name(data.name + ".meta.json") if not data.name.endswith(".jsonl") else \
-        data.with_name(data.name[: -len(".jsonl")] + ".meta.json")
+    return data.with_name(data.name.removesuffix(".jsonl") + ".meta.json")
 
 
 def read_meta(data: Path) -> dict | None:

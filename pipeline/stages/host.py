@@ -78,7 +78,7 @@ class RealHost:
             return "gone"
         try:
             proc = psutil.Process(pid)
-            now = started(pid, create_time, wall=None if create_time < BOOT_RELATIVE_BELOW else proc.create_time())
+            now = started(pid, create_time)
             if now is None:
                 return "gone"
             if abs(now - create_time) > CREATE_TIME_TOLERANCE_S:
