@@ -29,6 +29,7 @@ from torch import nn
 
 from pipeline.draft.capture import default_capture
 from pipeline.fileperm import honour_umask
+from pipeline.toy.tokenizer import IM_END_ID, write_tokenizer
 
 VOCAB = 256
 HIDDEN = 64
@@ -82,14 +83,21 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
         self.down_proj = nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        """x [T, H] at positions after those in `cache` (the keys and values of earlier positions, extended
+        here: a decode step attends to the prompt without recomputing it)."""
         T = x.shape[0]
-        pos = torch.arange(T)
+        start = 0 if not cache else cache["k"].shape[1]
+        pos = torch.arange(start, start + T)
         h = rms_norm(x, self.input_layernorm)
         q, k, v = (p(h).view(T, HEADS, HEAD_DIM).transpose(0, 1) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = rope(q, pos), rope(k, pos)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
+            cache["k"], cache["v"] = k, v
         scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)
-        scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+        scores = scores.masked_fill(torch.triu(torch.ones(T, start + T, dtype=torch.bool), start + 1), float("-inf"))
         att = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, HIDDEN)
         x = x + self.o_proj(att)
         h = rms_norm(x, self.post_attention_layernorm)
@@ -158,17 +166,20 @@ class ToyLM(nn.Module):
             p.weight.zero_()
 
     @torch.no_grad()
-    def forward(self, ids: list[int], *, capture: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, ids: list[int], *, capture: list[int] | None = None,
+                cache: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(aux [seq, 3, H], final [seq, H] post-norm, logits [seq, V]) for one prompt; aux: the inputs of the layers
-        `capture` (SGLang's layers_to_capture; default [2, N//2, N-3])."""
-        if not ids or len(ids) > CONTEXT:
-            raise ValueError(f"prompt length {len(ids)} outside 1..{CONTEXT}")
+        `capture` (SGLang's layers_to_capture; default [2, N//2, N-3]). With `cache` (one dict per layer, empty
+        at first), `ids` continue the positions cached so far and the cache grows: decoding token by token."""
+        seen = cache[0]["k"].shape[1] if cache and cache[0] else 0
+        if not ids or seen + len(ids) > CONTEXT:
+            raise ValueError(f"prompt length {seen + len(ids)} outside 1..{CONTEXT}")
         x = self.embed_tokens(torch.tensor(ids, dtype=torch.long))
         wanted, aux = capture or aux_layer_ids(), {}
         for i, block in enumerate(self.layers):
             if i in wanted:
                 aux[i] = x
-            x = block(x)
+            x = block(x, None if cache is None else cache[i])
         final = rms_norm(x, self.norm)
         return torch.stack([aux[i] for i in wanted], dim=1), final, self.lm_head(final)
 
@@ -178,11 +189,13 @@ class ToyLM(nn.Module):
                 "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
                 "num_key_value_heads": HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB, "rms_norm_eps": RMS_EPS,
                 "rope_theta": ROPE_THETA, "rope_scaling": None, "max_position_embeddings": CONTEXT,
-                "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32"}
+                "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+                "eos_token_id": IM_END_ID}
 
 
 def export_target(directory: Path) -> Path:
-    """Write the toy target as an HF directory holding what the trainer reads (embedding, norm, head)."""
+    """Write the toy target as an HF directory holding what the trainer reads (embedding, norm, head) and what
+    `eagle3 prepare` reads (its tokenizer and chat template)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -195,4 +208,5 @@ def export_target(directory: Path) -> Path:
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: "model.safetensors" for k in tensors}}, indent=1))
     (directory / "config.json").write_text(json.dumps(m.config(), indent=1))
+    write_tokenizer(directory)
     return directory

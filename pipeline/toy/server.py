@@ -65,9 +65,10 @@ class ToyState:
         temperature = float(params.get("temperature") or 0.0)
         finish = {"type": "length", "length": new_tokens}
         with self.lock:
-            aux, final, logits = self.model(ids, capture=self.capture)
+            cache = [{} for _ in range(LAYERS)]  # keys and values: a decode step costs one position, as SGLang's
+            aux, final, logits = self.model(ids, capture=self.capture, cache=cache)
             out_ids, rows_decode = [], []
-            seq, cur_logits = list(ids), logits[-1]
+            cur_logits = logits[-1]
             for step in range(new_tokens):
                 if temperature > 0:  # sampled as SGLang does, from softmax(logits / T), by the server's seeded RNG
                     weights = torch.softmax(cur_logits.float() / temperature, -1).tolist()
@@ -79,9 +80,9 @@ class ToyState:
                     finish = {"type": "stop", "matched": tok}
                     break
                 if step < new_tokens - 1:  # each decode forward yields one hidden row
-                    seq.append(tok)
-                    a2, f2, l2 = self.model(seq, capture=self.capture)
-                    rows_decode.append(self._pack(a2[-1:], f2[-1:])[0])
+                    a2, f2, l2 = self.model([tok], capture=self.capture, cache=cache)
+                    if req.get("return_hidden_states"):
+                        rows_decode.append(self._pack(a2, f2)[0])
                     cur_logits = l2[-1]
         meta = {"id": uuid.uuid4().hex, "finish_reason": finish,
                 "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": 0}
