@@ -116,6 +116,10 @@ class Renderer:
                 tail = through[through.rfind(content) + len(content):] if content in through else ""
                 if tail and full.startswith(tail, end):
                     end += len(tail)
+            # whitespace the template writes after the end-of-turn token (ChatML's "<|im_end|>\n") is the layout
+            # between turns, not what the model emits: it stops at the end-of-turn token
+            while end > start and full[end - 1].isspace():
+                end -= 1
             if end > start:
                 spans.append((start, end))
             cursor = max(cursor, end)
