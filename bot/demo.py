@@ -54,7 +54,10 @@ def run_demo(slack_channel: str | None = None, *, regenerate: bool = False) -> i
     log = root / "demo.log"
     logging.basicConfig(filename=log, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     _say(f"eagle3 demo — workspace {root} (stage logs and details: {log})")
-    cfg = write_demo_workspace(root, regenerate=regenerate)
+    if regenerate:
+        _say("0. preparing 300 ShareGPT conversations (chat.jsonl) with the toy target's tokenizer and chat template: "
+             "eagle3 prepare, loss mask on the assistant's tokens")
+    cfg = write_demo_workspace(root, regenerate=regenerate, say=lambda m: _say("   " + m))
     ws = load_workspace(cfg)
     ctl = Controller(workspace=ws)
     notifier, transport = _demo_notifier(ws, slack_channel)

@@ -22,7 +22,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-EOT = 255  # the toy conversations' end-of-turn token (regenerate stops a turn at it)
+EOT = 255  # the toy conversations' end-of-turn token, <|im_end|> (regenerate stops a turn at it)
+
+
+def _words(rng: random.Random, low: int, high: int) -> str:
+    """Lower-case words of 2–7 letters, low–high characters in all."""
+    text, size = [], rng.randint(low, high)
+    while sum(map(len, text)) + len(text) < size:
+        text.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))))
+    return " ".join(text)
+
+
+def write_chat(path: Path, n: int = SAMPLES, *, seed: int = 7) -> None:
+    """n ShareGPT conversations in the toy target's characters (a system prompt on every third, two user →
+    assistant exchanges each): what `eagle3 prepare` reads."""
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for i in range(n):
+            turns = [{"from": "system", "value": "Answer in a few words."}] if i % 3 == 0 else []
+            for _ in range(2):
+                turns += [{"from": "human", "value": _words(rng, 16, 96)}, {"from": "gpt", "value": _words(rng, 8, 32)}]
+            fh.write(json.dumps({"id": f"demo-{i}", "conversations": turns}) + "\n")
 
 
 def write_dataset(path: Path, n: int = SAMPLES, *, seed: int = 7, turns: bool = False) -> int:
@@ -56,8 +76,10 @@ def config_text(*, python: str, port: int, steps: int = TRAIN_STEPS, regenerate:
     data = "regenerated.jsonl" if regenerate else "data.jsonl"
     extract = [python, "-m", "bot.cli", "extract", "--server", url, "--data", data, "--out", "out",
                "--concurrency", "4", "--server-wait", "120"]
+    # sampled, not greedy: every conversation's answer starts after the same "<|im_start|>assistant\n", and the toy
+    # target's next token depends on the last two, so its greedy answers are all one sequence (τ 1.03, measured)
     regen = [python, "-m", "bot.cli", "regenerate", "--server", url, "--data", "data.jsonl", "--out", data,
-             "--concurrency", "4", "--max-new-tokens", "24", "--temperature", "0", "--server-wait", "120"]
+             "--concurrency", "4", "--max-new-tokens", "24", "--temperature", "0.8", "--server-wait", "120"]
     regen_section = f"""
 [stages.regenerate]
 # the toy target answers each conversation's assistant turns again; auto-start then starts extraction
@@ -108,13 +130,23 @@ env = {{ MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS =
 """
 
 
-def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS, regenerate: bool = False) -> Path:
-    """Write data, the toy target's HF directory and eagle3.toml into `directory`; returns the config path."""
+def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS, regenerate: bool = False,
+                         samples: int = SAMPLES, say=None) -> Path:
+    """Write data, the toy target's HF directory and eagle3.toml into `directory`; returns the config path.
+    With `regenerate`, the data starts as a ShareGPT chat file (chat.jsonl) that `eagle3 prepare` renders with
+    the toy target's tokenizer and chat template into data.jsonl, as an operator's would."""
     from pipeline.toy.model import export_target
 
     directory.mkdir(parents=True, exist_ok=True)
-    write_dataset(directory / "data.jsonl", turns=regenerate)
     export_target(directory / "target")
+    if regenerate:
+        from pipeline.prepare import prepare
+
+        write_chat(directory / "chat.jsonl", samples)
+        prepare(target_model=str(directory / "target"), data=directory / "chat.jsonl",
+                out=directory / "data.jsonl", say=say or (lambda _m: None))
+    else:
+        write_dataset(directory / "data.jsonl", samples)
     cfg = directory / "eagle3.toml"
     cfg.write_text(config_text(python=sys.executable, port=_free_port(), steps=steps, regenerate=regenerate))
     return cfg

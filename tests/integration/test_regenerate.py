@@ -16,6 +16,7 @@ from tests.conftest import ROOT, eagle3, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 ARGS = ["--temperature", "0", "--max-new-tokens", "6", "--concurrency", "4"]
+STEPS = 40  # the end to end's training: enough for a draft that SGLang loads and that is measured
 
 
 def done_rows(parts: Path) -> int:
@@ -65,48 +66,64 @@ def test_kill_9_mid_run_then_resume_writes_each_conversation_once(tmp_path):
         assert new["input_ids"][: old["loss_mask"].index(1)] == old["input_ids"][: old["loss_mask"].index(1)]
 
 
-def test_regeneration_is_watched_then_starts_extraction_with_the_server_up(tmp_path):
-    """The regenerate stage shows progress in status; with auto-start armed, extraction starts once regeneration
-    is verified complete, exactly once, and the server keeps running."""
+@pytest.mark.timeout(420)
+def test_from_a_chat_file_to_a_measured_draft(tmp_path):
+    """The end to end on the toy (issue 34): a ShareGPT file prepared with the toy target's tokenizer and chat
+    template; regeneration watched in status; with auto-start armed, extraction starts once regeneration is
+    verified complete, exactly once, the server still up; then the handoff stops the server and trains; the
+    exported draft's τ is measured as SGLang serves it."""
     from pipeline.config import load_workspace
     from pipeline.controller import Controller
+    from pipeline.draft.evaluate import evaluate
     from pipeline.monitor import Monitor
-    from pipeline.toy.demo_workspace import write_dataset, write_demo_workspace
+    from pipeline.toy.demo_workspace import write_demo_workspace
+    from tests.toy import ToyServer
 
-    cfg = write_demo_workspace(tmp_path / "ws", regenerate=True)
-    write_dataset(cfg.parent / "data.jsonl", 60, turns=True)
+    cfg = write_demo_workspace(tmp_path / "ws", regenerate=True, samples=48, steps=STEPS)
     ws = load_workspace(cfg)
     ctl = Controller(workspace=ws)
     monitor = Monitor(ws=ws)
     thread = threading.Thread(target=monitor.run, daemon=True)
-    progress = []
+    progress, seen = [], {}
     try:
         ctl.start("server")
         ctl.start("regenerate")
         ctl.autostart(True, by="test")
         thread.start()
 
-        def extraction_started() -> bool:
+        def watched() -> bool:
             st = ctl.status(sample_if_unmonitored=False)
             regen = st.stages["regenerate"]
             if regen.progress_pct is not None:
                 progress.append((regen.verdict, regen.progress_pct, regen.done, regen.total))
-            return ctl.store.latest_proc("extract") is not None
+            if "extract" not in seen and ctl.store.latest_proc("extract") is not None:
+                time.sleep(2)  # more ticks: a second launch would show now
+                seen["extract"] = [ctl.store.latest_proc("extract")]
+                seen["server"] = ctl.store.latest_proc("server")
+            train = ctl.store.latest_proc("train")
+            return train is not None and train["state"] == "exited"
 
-        wait_for(extraction_started, timeout=150, interval=0.3, what="extraction started by auto-start")
-        time.sleep(2)  # more ticks: a second launch would show now
+        wait_for(watched, timeout=330, interval=0.3, what="extraction, then training, started by auto-start and done")
         chain = ctl.store.events(kind="chain")
-        extracts = [p for p in [ctl.store.latest_proc("extract")] if p]
-        server = ctl.store.latest_proc("server")
+        train = ctl.store.latest_proc("train")
     finally:
         monitor.stop()
         thread.join(timeout=30)
         ctl.stop_all(grace_s=2)
         ctl.close()
-    assert any(v in ("progressing", "slow") and 0 < pct < 100 and total == 60 for v, pct, _, total in progress), progress
-    assert len(chain) == 1 and "all 60 conversations regenerated" in chain[0]["data"]["reason"]
-    assert len(extracts) == 1 and server["state"] == "running" and not server["stop_requested"]
-    assert (cfg.parent / "regenerated.jsonl").read_text().count("\n") == 60
+    assert any(v in ("progressing", "slow") and 0 < pct < 100 and total == 48 for v, pct, _, total in progress), progress
+    assert len(chain) == 1 and "all 48 conversations regenerated" in chain[0]["data"]["reason"]
+    assert len(seen["extract"]) == 1 and seen["server"]["state"] == "running" and not seen["server"]["stop_requested"]
+    assert (cfg.parent / "regenerated.jsonl").read_text().count("\n") == 48
+    assert train["exit_code"] == 0
+    server = ToyServer()
+    try:
+        res = evaluate(draft_dir=cfg.parent / "ckpt" / "draft", server=server.url, data=cfg.parent / "regenerated.jsonl",
+                       target_model=str(cfg.parent / "target"), depth=5, prompts=16, new_tokens=48, say=lambda m: None)
+    finally:
+        server.stop()
+    assert res["prompts_measured"] >= 8 and res["tau"] >= 1.0, res  # τ counts the target's own token
+    print(f"τ after {STEPS} steps on 48 regenerated conversations: {res['tau']:.2f} (bigram {res['tau_bigram']:.2f})")
 
 
 def test_completion_weighs_failed_conversations_by_the_handoffs_share(tmp_path):

@@ -85,10 +85,14 @@ def test_masks_equal_hand_computed_ones_on_documented_templates(tmp_path, templa
     assert got.input_ids == ids and got.loss_mask == mask
 
 
-def test_masks_agree_with_the_generation_markers_own():
-    import tempfile
+# ChatML as Qwen writes it: "<|im_end|>\n" after every turn, the newline outside the markers (layout, not output)
+MARKED_NEWLINE = MARKED.replace("{%- endif %}\n{%- endfor %}", "{%- endif %}{{ '\\n' }}{%- endfor %}")
 
-    tok = load_tokenizer(str(tokenizer_dir(Path(tempfile.mkdtemp()), MARKED)), trust_remote_code=False)
+
+@pytest.mark.parametrize("template", [MARKED, MARKED_NEWLINE], ids=["chatml", "chatml-newline"])
+def test_masks_agree_with_the_generation_markers_own(tmp_path, template):
+    tok = load_tokenizer(str(tokenizer_dir(tmp_path, template)), trust_remote_code=False)
+    assert "<|im_end|>\n<|im_start|>" in tok.apply_chat_template(CONVERSATION, tokenize=False) or template == MARKED
     theirs = tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ours = Renderer(tok).prepare(CONVERSATION, max_length=None)
     assert ours.input_ids == list(theirs["input_ids"]) and ours.loss_mask == list(theirs["assistant_masks"])
@@ -187,3 +191,30 @@ def test_prepared_data_is_what_extraction_reads_and_records(tmp_path):
     conn.close()
     assert prepared["conversations"] == 3 and prepared["chat_template_sha256"] == read_meta(
         tmp_path / "train.jsonl")["chat_template_sha256"]
+
+
+def test_the_toy_target_carries_a_tokenizer_and_template_that_prepare_reads(tmp_path):
+    """The toy target's HF directory is prepared from as a real one is: its ids are the toy's (under 256), every
+    trained run is an assistant's text closed by <|im_end|> (255), the demo's end-of-turn token."""
+    from pipeline.toy.demo_workspace import EOT, write_chat
+    from pipeline.toy.model import VOCAB, export_target
+
+    target = export_target(tmp_path / "target")
+    write_chat(tmp_path / "chat.jsonl", 6)
+    prepare(target_model=str(target), data=tmp_path / "chat.jsonl", out=tmp_path / "data.jsonl", say=lambda m: None)
+    tok = load_tokenizer(str(target), trust_remote_code=False)
+    chats = [json.loads(x) for x in (tmp_path / "chat.jsonl").read_text().splitlines()]
+    for row, chat in zip((json.loads(x) for x in (tmp_path / "data.jsonl").read_text().splitlines()), chats,
+                         strict=True):
+        assert row["id"] == chat["id"] and max(row["input_ids"]) < VOCAB
+        runs, run = [], []
+        for i, m in zip(row["input_ids"], row["loss_mask"], strict=True):
+            if m:
+                run.append(i)
+            elif run:
+                runs, run = runs + [run], []
+        runs += [run] if run else []
+        answers = [t["value"] for t in chat["conversations"] if t["from"] == "gpt"]
+        assert [r[-1] for r in runs] == [EOT] * len(answers)
+        assert [tok.decode(r[:-1]) for r in runs] == answers
+        assert tok.decode(row["input_ids"]).startswith("<|im_start|>")
