@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[train,dev,prepare]"
+	$(PY) -m pip install -q -e ".[train,dev,prepare,tensorboard]"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -24,7 +24,11 @@ def main() -> int:
         lines += importlib.import_module(name).run(full=full)
         print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     write_block("bench", lines)
-    from bench import draft_bench  # its own block: `python -m bench.draft_bench` refreshes it alone
+    from bench import (  # their own blocks: each refreshes alone with `python -m`
+        draft_bench,
+        tensorboard_read,
+    )
+    tensorboard_read.main(full=full)
     draft_bench.main(full=full)
     print(f"wrote {RESULTS}")
     return 0

@@ -12,12 +12,13 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError
 
 STAGE_NAMES = ("server", "regenerate", "extract", "train")
 REQUIRED_STAGES = ("server", "extract", "train")  # regenerate is optional: shown once configured or run
+PROGRESS_FIELDS = ("step", "total", "loss")  # what progress_fields may rename
 PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
 DEFAULT_CONFIG_NAME = "eagle3.toml"
 
@@ -37,9 +38,27 @@ class StageConfig(_Section):
     restart: Literal["never", "on-failure"] = Field(default="never", description="Restart policy when the stage dies.")
     max_restarts: int = Field(default=3, ge=0, description="Restarts allowed under on-failure.")
     restart_backoff_s: float = Field(default=10.0, ge=0, description="First restart delay; doubles each time.")
-    progress: Literal["auto", "manifest", "progress-jsonl", "log-regex", "files", "none"] = Field(
+    progress: Literal["auto", "manifest", "progress-jsonl", "tensorboard", "log-regex", "files", "none"] = Field(
         default="auto", description="Progress authority (auto: manifest for extract and regenerate, progress.jsonl for "
                                     "train, none for server).")
+    progress_file: str | None = Field(
+        default=None, description="With progress = progress-jsonl: the JSON-lines file (default: train out/progress.jsonl).")
+    progress_fields: dict[str, str] = Field(
+        default_factory=dict, description='With progress = progress-jsonl: this tool\'s names for step, total and loss, '
+                                          'e.g. {step = "global_step", total = "max_steps", loss = "train_loss"}.')
+    progress_dir: str | None = Field(
+        default=None, description="With progress = tensorboard: the event-file directory (SpecForge: <output_dir>/runs).")
+    progress_tag: str | None = Field(
+        default=None, description="With progress = tensorboard: the scalar whose step counts, e.g. \"train/loss\".")
+    progress_total: int | None = Field(
+        default=None, ge=1, description="With progress = tensorboard: the total steps (or progress_total_tag).")
+    progress_total_tag: str | None = Field(
+        default=None, description="With progress = tensorboard: a scalar holding the total steps, if the tool logs one.")
+    loss_tag: str | None = Field(
+        default=None, description="With progress = tensorboard: the loss scalar, shown in status, charts and metrics.")
+    done_when: str = Field(
+        default="exit0", description='What "done" means: "exit0", "exit0-and-total" (and the last step reached the '
+                                     'total), or "file:GLOB" (and a file matching GLOB exists, relative to cwd).')
     progress_regex: str | None = Field(
         default=None, description="With progress = log-regex: a regex with groups (?P<done>…) and optionally (?P<total>…).")
     files_dir: str | None = Field(default=None, description="Output tree scanned for activity (default: extract out/hidden_states, train out).")
@@ -62,6 +81,29 @@ class StageConfig(_Section):
             if "done" not in compiled.groupindex:
                 raise ValueError("the regex needs a named group (?P<done>\\d+)")
         return value
+
+    @field_validator("progress_fields")
+    @classmethod
+    def _fields(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(PROGRESS_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}: map any of {', '.join(PROGRESS_FIELDS)} to the "
+                             "tool's field names")
+        return value
+
+    @field_validator("done_when")
+    @classmethod
+    def _done_when(cls, value: str) -> str:
+        if value in ("exit0", "exit0-and-total") or (value.startswith("file:") and value[5:].strip()):
+            return value
+        raise ValueError(f'expected "exit0", "exit0-and-total" or "file:GLOB", got {value!r}')
+
+    @model_validator(mode="after")
+    def _tensorboard(self):
+        if self.progress == "tensorboard" and not (self.progress_dir and self.progress_tag):
+            raise ValueError('progress = "tensorboard" needs progress_dir (the event files) and progress_tag '
+                             '(the scalar whose step counts, e.g. "train/loss")')
+        return self
 
     @field_validator("gpus", mode="before")
     @classmethod

@@ -6,6 +6,10 @@ extraction stage exited 0, the manifest's processed == total,
 the failed share is within the maximum, no temp files are left, and `verify`
 passes on a random sample of files. Anything less is not complete, and the answer
 says which condition is missing, with the manifest's numbers.
+
+Another tool's extraction (`progress` other than manifest: SpecForge's or speculators' data
+generation, one file per sample) has no manifest to verify: it is complete when the monitor
+observed its end and judged it done — exit 0, progress at a known total, its `done_when` met.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import Workspace
+from pipeline.observe.done import source_of
 from pipeline.observe.probes.progress import read_manifest
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.store import Store
@@ -52,6 +57,8 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
         c.missing.append("extraction has not run in this run" if run else
                          "no run is open (extraction has not run since the last run closed)")
         return c
+    if source_of(ws, "extract") != "manifest":
+        return _by_final_verdict(c, store, proc)
     out = ws.resolve(ws.stage("extract").out)
     reading = read_manifest(out, clock=store.clock)
     prog = reading.value or {}
@@ -87,6 +94,30 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
         res = verify(out, sample=verify_sample)
         if not res.ok or not res.checked:
             c.missing.append(f"verify found {len(res.problems)} problem(s): {'; '.join(res.problems[:3])}")
+    c.complete = not c.missing
+    return c
+
+
+def _by_final_verdict(c: Completion, store: Store, proc: dict) -> Completion:
+    """Another tool's extraction (progress from its files, its log or its JSON lines; no manifest to verify):
+    complete when the monitor observed its end and judged it done — exit 0, its progress at its total, the
+    failed share within the maximum, its done_when met — and the total is known."""
+    verdict = store.verdict("extract") or {}
+    mine = verdict.get("proc_id") == proc["id"]
+    if mine:
+        c.done, c.failed, c.total = verdict.get("done"), verdict.get("failed"), verdict.get("total")
+        c.eta_s = verdict.get("eta_s")
+    if proc["state"] == StageState.RUNNING:
+        c.missing.append("extraction is still running")
+    elif proc["state"] != StageState.EXITED or proc["exit_code"] != 0:
+        c.missing.append(f"the last extraction run did not exit 0 ({proc['reason'] or proc['state']})")
+    elif not mine or not verdict.get("final"):
+        c.missing.append("the monitor has not yet observed this extraction's end")
+    elif verdict.get("verdict") != "done":
+        c.missing.append(f"its end was judged {verdict.get('verdict')}: {'; '.join(verdict.get('reasons') or [])}")
+    if c.total is None and not c.missing:
+        c.missing.append("its progress has no total (set files_total, or a total in its progress source), so "
+                         "completion cannot be verified")
     c.complete = not c.missing
     return c
 

@@ -18,6 +18,7 @@ from enum import StrEnum
 from pipeline.config import Workspace
 from pipeline.errors import UserError
 from pipeline.handoff import completion
+from pipeline.observe.done import finished
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.stages.supervisor import NO_RUNNER, Supervisor, is_job, launched, who
 from pipeline.store import Store
@@ -300,6 +301,10 @@ class Handoff:
         if proc["stop_requested"]:
             self._set(CANCELLED, f"training stopped on request ({proc['reason']})")
         elif proc["state"] == StageState.EXITED and proc["exit_code"] == 0:
-            self._set(TRAINING_DONE, "training finished (exit 0)" + self._draft_note())
+            why = finished(self.ws, "train", clock=self.store.clock)
+            if why:
+                self._set(TRAINING_FAILED, f"training {why}")
+            else:
+                self._set(TRAINING_DONE, "training finished (exit 0)" + self._draft_note())
         else:
             self._set(TRAINING_FAILED, f"training ended: {proc['reason']}")

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipeline.observe.costfit import CostModel
+from pipeline.observe.done import not_done
 from pipeline.observe.eta import EtaEstimator
 from pipeline.observe.latency import LatencyProfile
 from pipeline.observe.verdict import (
@@ -252,7 +253,7 @@ class Diagnoser:
     def _judge(self, obs: dict, t: float, proc: dict, prog: dict) -> VerdictRecord:
         ended = proc.get("alive") is False or proc.get("exit_code") is not None
         if ended:
-            return self._ended(t, proc, prog)
+            return self._ended(t, proc, prog, obs.get("done_when"))
         if proc.get("queued"):  # waiting for Slurm's allocation: the startup window begins when it runs
             self.first_t = t
             return self._base(t, prog, verdict="starting", reasons=(
@@ -264,7 +265,7 @@ class Diagnoser:
             return self._judge_without_progress(obs, t, prog)
         return self._judge_progress(obs, t, prog)
 
-    def _ended(self, t: float, proc: dict, prog: dict) -> VerdictRecord:
+    def _ended(self, t: float, proc: dict, prog: dict, rule: dict | None = None) -> VerdictRecord:
         code = proc.get("exit_code")
         if proc.get("stop_requested"):
             how = "" if code is None else (f" (signal {-code})" if code < 0 else f" (exit {code})")
@@ -276,6 +277,9 @@ class Diagnoser:
             if proc.get("last_line"):
                 how += f"; its log ends: {proc['last_line']}"
             return self._base(t, prog, verdict="dead", reasons=(how,))
+        why = not_done(rule, prog)  # the stage's done_when beyond exit 0 (another tool's exit 0 is its opinion)
+        if why:
+            return self._base(t, prog, verdict="dead", reasons=(why,))
         done, failed, total = num(prog, "done"), num(prog, "failed") or 0.0, num(prog, "total")
         if done is None or not total:
             return self._base(t, prog, verdict="done", reasons=("exited 0",), eta_s=0.0)

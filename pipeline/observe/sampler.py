@@ -13,14 +13,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from pipeline.config import STAGE_NAMES, Workspace
-from pipeline.layout import lines_dir, parts_dir
+from pipeline.layout import lines_dir
 from pipeline.observe.diagnosis import Diagnoser
+from pipeline.observe.done import evidence, progress_call
 from pipeline.observe.probes import Reading, unknown
 from pipeline.observe.probes.disk import projected_need, read_disk
 from pipeline.observe.probes.files import FileScanner
 from pipeline.observe.probes.gpu import FakeNvml, GpuProbe, RealNvml
 from pipeline.observe.probes.process import group_processes, read_process
-from pipeline.observe.probes.progress import LogProgress, read_manifest, read_train_progress
 from pipeline.observe.probes.server import ServerProbe
 from pipeline.observe.verdict import Policy, VerdictRecord
 from pipeline.stages.slurm import is_local_host
@@ -82,7 +82,7 @@ class Sampler:
         self.budget = _Budget()
         self.server = ServerProbe(cfg.stages.server.url, clock=clock)
         self.scanners: dict[str, FileScanner] = {}
-        self.logs: dict[str, LogProgress] = {}
+        self.readers: dict = {}  # incremental progress readers (a log tail, event files), one per stage
         self.diagnosers: dict[str, tuple[int, Diagnoser]] = {}
         self.finished: dict[str, int] = {}  # stage -> proc id whose end was already observed
         self.last_thin = 0.0
@@ -93,12 +93,6 @@ class Sampler:
         self.server.close()
 
     # --- per stage sources -----------------------------------------------------
-    def _progress_source(self, stage: str) -> str:
-        declared = self.ws.stage(stage).progress
-        if declared != "auto":
-            return declared
-        return {"extract": "manifest", "regenerate": "manifest", "train": "progress-jsonl"}.get(stage, "none")
-
     def _files_dir(self, stage: str) -> Path | None:
         cfg = self.ws.stage(stage)
         if cfg.files_dir:
@@ -111,19 +105,7 @@ class Sampler:
         return self.ws.resolve(out) / "hidden_states" if stage == "extract" else self.ws.resolve(out)
 
     def _progress_call(self, stage: str, files: dict):
-        source, cfg = self._progress_source(stage), self.ws.stage(stage)
-        if source == "manifest":
-            out = self.ws.resolve(getattr(cfg, "out", None))
-            where = parts_dir(out) if stage == "regenerate" and out is not None else out
-            return lambda: read_manifest(where, clock=self.clock, stage=stage)
-        if source == "progress-jsonl":
-            return lambda: read_train_progress(self.ws.resolve(getattr(cfg, "out", None)), clock=self.clock)
-        if source == "log-regex" and cfg.progress_regex:
-            tail = self.logs.setdefault(stage, LogProgress(self.ws.log_path(stage), cfg.progress_regex, clock=self.clock))
-            return tail.read
-        if source == "files":
-            return lambda: _files_progress(files, cfg.files_total, self.clock)
-        return None
+        return progress_call(self.ws, stage, files, clock=self.clock, readers=self.readers)
 
     # --- the tick --------------------------------------------------------------
     def tick(self) -> dict[str, tuple[dict, VerdictRecord]]:
@@ -179,6 +161,7 @@ class Sampler:
         final = has_ended(row)
         if final:
             self.finished[stage] = row["id"]
+            obs["done_when"] = evidence(self.ws, stage)  # what "done" means for it, and what was found
         verdict = self._diagnoser(stage, row).feed(obs)
         with self.store.atomic():
             self.store.add_observation(obs, run_id=row["run_id"])
@@ -243,9 +226,3 @@ class Sampler:
 
 def _value(reading: Reading | None):
     return reading.value if reading else None
-
-
-def _files_progress(files: dict | None, total: int | None, clock) -> Reading:
-    if not files:
-        return unknown("file count unknown this tick", clock=clock)
-    return Reading(t=clock(), value={"done": files["count"], "failed": 0, "total": total, "unit": "files"})

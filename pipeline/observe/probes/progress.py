@@ -26,23 +26,38 @@ def read_manifest(out_dir: Path | None, *, clock=time.time, stage: str = "extrac
         return unknown(f"{out_dir}/manifest.sqlite unreadable: {exc}", clock=clock)
 
 
+OWN_FIELDS = {"step": "step", "total": "total_steps", "loss": "loss"}  # this trainer's progress.jsonl
+
+
 def read_train_progress(ckpt_dir: Path | None, *, clock=time.time) -> Reading:
-    """Training progress from the last line of CKPT_DIR/progress.jsonl."""
+    """Training progress from the last line of CKPT_DIR/progress.jsonl (this project's trainer)."""
     if ckpt_dir is None:
         return unknown("stages.train.out is not configured", clock=clock)
-    path = Path(ckpt_dir) / "progress.jsonl"
-    for line in reversed(tail_lines(path, 5)):
+    return read_jsonl_progress(Path(ckpt_dir) / "progress.jsonl", clock=clock,
+                               validation=Path(ckpt_dir) / "validation.jsonl")
+
+
+def read_jsonl_progress(path: Path, fields: dict[str, str] | None = None, *, clock=time.time,
+                        validation: Path | None = None) -> Reading:
+    """Progress from the last whole line of a JSON-lines log that carries a step: `fields` maps step, total and
+    loss to the tool's names (this trainer's by default). A torn or foreign line is passed over."""
+    names = {**OWN_FIELDS, **(fields or {})}
+    for line in reversed(tail_lines(path, 20)):
         try:
             rec = json.loads(line)
         except ValueError:
             continue  # a line being written
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            value = {"done": rec["step"], "failed": 0, "total": rec.get("total_steps"), "unit": "steps",
-                     "loss": rec.get("loss"), "kl": rec.get("kl"), "tokens_per_s": rec.get("tokens_per_s"),
-                     "error": rec.get("error")}
-            value.update(_last_validation(Path(ckpt_dir) / "validation.jsonl"))
+        step = rec.get(names["step"]) if isinstance(rec, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) or isinstance(step, float) and step.is_integer():
+            total, loss = rec.get(names["total"]), rec.get(names["loss"])
+            value = {"done": int(step), "failed": 0,
+                     "total": int(total) if isinstance(total, (int, float)) and total > 0 else None, "unit": "steps",
+                     "loss": float(loss) if isinstance(loss, (int, float)) else None, "kl": rec.get("kl"),
+                     "tokens_per_s": rec.get("tokens_per_s"), "error": rec.get("error")}
+            if validation is not None:
+                value.update(_last_validation(validation))
             return known(value, clock=clock)
-    return unknown(f"{path}: no step logged yet", clock=clock)
+    return unknown(f"{path}: no line with a {names['step']!r} step logged yet", clock=clock)
 
 
 def _last_validation(path: Path) -> dict:
