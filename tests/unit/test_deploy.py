@@ -176,3 +176,14 @@ def test_the_slurm_example_passes_check_config_against_a_cluster_that_answers(tm
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     assert main(["check-config", str(cfg)]) == 2
     assert "not on PATH: sbatch, squeue, scontrol, scancel" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["specforge", "speculators"])
+def test_the_other_tools_examples_load_and_name_their_progress(name):
+    """deploy/examples (issue 37): each stage of another tool says where its progress is and what done means."""
+    ws = load_workspace(DEPLOY / "examples" / f"{name}.toml")
+    extract, train = ws.stage("extract"), ws.stage("train")
+    assert extract.progress == "files" and extract.files_total and extract.files_suffix
+    assert train.progress == "tensorboard" and train.progress_dir and train.progress_tag and train.loss_tag
+    assert train.done_when in ("exit0", "exit0-and-total") and (train.done_when == "exit0" or train.progress_total)
+    assert f"deploy/examples/{name}.toml" in (DEPLOY.parent / "docs" / "operator.md").read_text()
