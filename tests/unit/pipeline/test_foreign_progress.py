@@ -9,7 +9,8 @@ import struct
 import pytest
 
 from pipeline.observe.diagnosis import Diagnoser
-from pipeline.observe.done import not_done
+from pipeline.observe.done import files_progress, not_done
+from pipeline.observe.probes.files import FileScanner
 from pipeline.observe.probes.progress import read_jsonl_progress
 from pipeline.observe.probes.tensorboard import TensorboardProgress, masked_crc
 
@@ -106,21 +107,28 @@ def test_done_when_rules():
 
 
 def test_each_format_drives_the_eta(tmp_path):
-    """A step every 10 s of the monitor's clock: from a quarter on, an ETA whose band holds the truth."""
+    """A step (or a sample file) every 10 s of the monitor's clock: from a quarter on, an ETA whose band holds
+    the truth, from each format's own reader."""
     from torch.utils.tensorboard import SummaryWriter
 
     total = 80
     writer = SummaryWriter(log_dir=str(tmp_path / "runs"))
     tb = TensorboardProgress(tmp_path / "runs", tag="train/loss", total=total, loss_tag="train/loss")
     log = tmp_path / "log.jsonl"
+    rows = tmp_path / "rows"
+    scanner = FileScanner(str(rows), suffix=".ckpt")
     readers = {"tensorboard": tb.read,
-               "jsonl": lambda: read_jsonl_progress(log, {"step": "global_step", "total": "max_steps"})}
+               "jsonl": lambda: read_jsonl_progress(log, {"step": "global_step", "total": "max_steps"}),
+               "files": lambda: files_progress(scanner.scan().value, total, clock=lambda: 0.0)}
     diagnosers = {name: Diagnoser(stage="train") for name in readers}
     for k in range(1, total // 2):
         writer.add_scalar("train/loss", 1.0 / k, global_step=k)
         writer.flush()
         with open(log, "a") as fh:
             fh.write(json.dumps({"global_step": k, "max_steps": total}) + "\n")
+        (rows / f"rows_{k // 10}").mkdir(parents=True, exist_ok=True)  # SpecForge's grouped layout
+        (rows / f"rows_{k // 10}" / f"data_{k}.ckpt").write_bytes(b"x")
+        (rows / f"rows_{k // 10}" / f"data_{k + 1}.ckpt.tmp").write_bytes(b"x")  # in progress: not counted
         for name, read in readers.items():
             obs = {"t": 10.0 * k, "stage": "train", "process": {"alive": True, "cpu_s": 8.0 * k, "exit_code": None},
                    "progress": read().value}
