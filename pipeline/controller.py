@@ -224,6 +224,16 @@ class Controller:
             return grace_s
         return self.ws.config.handoff.server_stop_grace_s if stage == "server" else 30.0
 
+    def last_tick(self) -> float | None:
+        """Unix time of the monitor's last heartbeat (None: never, or `eagle3 serve` stopped cleanly)."""
+        t = (self.store.get("monitor") or {}).get("t")
+        return float(t) if t else None
+
+    def restarts(self, stage: str) -> int:
+        """Restarts of `stage` by its on-failure policy in the current run."""
+        run = self.store.current_run()
+        return int(self.store.get(f"restarts:{run}:{stage}", 0) or 0) if run else 0
+
     def monitor_running(self) -> bool:
         """True when `eagle3 serve` stored a heartbeat within the last two ticks."""
         beat = self.store.get("monitor") or {}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -9,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bot.metrics import serve_metrics
 from pipeline.config import load_workspace
 from pipeline.controller import Controller
-from tests.conftest import eagle3, wait_for
+from tests.conftest import ROOT, eagle3, wait_for
 from tests.scenario.slack_kit import extracted_workspace
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,6 +50,25 @@ def test_a_scrape_has_the_values_the_store_says(tmp_path):
         assert not any(name == "eagle3_stage_progress_ratio" and ("stage", "server") in labels for name, labels in m)
         if ex.get("last_progress_at"):
             assert m[("eagle3_stage_last_progress_timestamp_seconds", (("stage", "extract"),))] == ex["last_progress_at"]
+        # issue 35: counters of the run, the step, the monitor's heartbeat, the outbox, build and process facts
+        assert m[("eagle3_samples_total", (("stage", "extract"), ("status", "done")))] == float(ex["done"])
+        assert m[("eagle3_samples_total", (("stage", "extract"), ("status", "failed")))] == float(ex["failed"] or 0)
+        assert m[("eagle3_tokens_total", (("stage", "extract"),))] > 0
+        assert m[("eagle3_stage_restarts_total", (("stage", "extract"),))] == 0.0
+        assert m[("eagle3_train_step", ())] == 3.0
+        assert ("eagle3_monitor_last_tick_timestamp_seconds", ()) not in m  # no monitor: absent, never 0
+        assert m[("eagle3_outbox_messages", (("state", "failed"),))] == float(st["outbox"]["failed"])
+        assert [v for (name, _), v in m.items() if name == "eagle3_build_info"] == [1.0]
+        assert m[("process_resident_memory_bytes", ())] > 0 and ("python_info" in {n for n, _ in m})
+        ctl.store.put("monitor", {"pid": 1, "t": 1_790_000_000.0, "tick_s": 10})  # a heartbeat, as serve stores it
+        m = scrape(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+        assert m[("eagle3_monitor_last_tick_timestamp_seconds", ())] == 1_790_000_000.0
+        # the shipped alert rules and dashboard use only metrics a scrape carries
+        rules = (ROOT / "deploy" / "prometheus" / "eagle3-alerts.yml").read_text()
+        board = json.loads((ROOT / "deploy" / "grafana" / "eagle3.json").read_text())
+        exprs = [rules] + [t["expr"] for p in board["panels"] for t in p["targets"]]
+        used = {n for e in exprs for n in re.findall(r"\b(?:eagle3|process|python)_[a-z_]+\b", e)}
+        assert used and used <= {name for name, _ in m}, used - {name for name, _ in m}
     finally:
         server.shutdown()
         ctl.close()
