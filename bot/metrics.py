@@ -142,9 +142,12 @@ class _Quiet(WSGIRequestHandler):
 
 def serve_metrics(ws: Workspace, *, host: str, port: int):
     """Start /metrics in a thread; returns the server (`.server_address`, `.shutdown()`)."""
-    from prometheus_client import CollectorRegistry, make_wsgi_app
-
-    from prometheus_client import PlatformCollector, ProcessCollector
+    from prometheus_client import (
+        CollectorRegistry,
+        PlatformCollector,
+        ProcessCollector,
+        make_wsgi_app,
+    )
 
     registry = CollectorRegistry()
     registry.register(StoreCollector(ws))

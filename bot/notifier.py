@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
 from handlers.render.alerts import (
+    ENDINGS,
     alert_buttons,
     chart_request_text,
     escalation_text,
     event_message,
     milestone_text,
+    resolved_text,
 )
 from handlers.render.blocks import status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
+from pipeline.handoff.machine import handoff_state
 from pipeline.status import RunStatus
 from pipeline.store import Store
 
@@ -40,12 +44,22 @@ FIXABLE = {"not_in_channel", "channel_not_found", "missing_scope", "is_archived"
            "token_revoked", "account_inactive", "no_permission"}
 
 
+def status_signature(store: Store) -> str:
+    """What the status post shows that is worth an edit at once: each stage's verdict and process state, the
+    run and the handoff step (progress and ETA drift are the periodic refresh's)."""
+    parts = [store.current_run(), (handoff_state(store) or {}).get("step", "off")]
+    for stage in STAGE_NAMES:
+        v, p = store.verdict(stage) or {}, store.latest_proc(stage)
+        parts.append((stage, v.get("verdict"), v.get("proc_id"), p["state"] if p else None))
+    return json.dumps(parts, default=str)
+
+
 class Notifier:
     """One per service; `tick(store)` from the monitor's thread."""
 
     def __init__(self, *, ws: Workspace, client: WebClient, clock=time.time, cooldown_s: float = 1800.0,
                  pace_s: float = 1.0, escalate_s: float = 1800.0, channel: str | None = None,
-                 key_prefix: str = "", fixable_retry_s: float = 60.0) -> None:
+                 key_prefix: str = "", fixable_retry_s: float = 60.0, host: str | None = None) -> None:
         """`channel`/`key_prefix` let the console transport keep its own cursor, dedup and message ids."""
         self.ws, self.client, self.clock = ws, client, clock
         self.cooldown_s, self.pace_s, self.escalate_s = cooldown_s, pace_s, escalate_s
@@ -55,6 +69,9 @@ class Notifier:
         self.fixable_retry_s = fixable_retry_s
         self.started_at = clock()
         self.last_sent: dict[str, float] = {}
+        self.host = host if host is not None else socket.gethostname()  # named in what reaches the channel
+        self.min_edit_s = ws.config.slack.min_edit_s
+        self.status_posted: tuple[str, float] | None = None  # (signature, when) of the last status enqueued
 
     def tick(self, store: Store) -> None:
         """Collect new events, add milestone replies, deliver what is pending."""
@@ -72,15 +89,23 @@ class Notifier:
             after = older[-1] if older else 0
             store.put(self.k + "notifier_after", after)
         for event in store.events(after_id=after):
+            stage, run = event.get("stage"), event.get("run_id")
             msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids,
-                                patterns=self.ws.config.slack.redact_patterns)
+                                patterns=self.ws.config.slack.redact_patterns, host=self.host,
+                                took_s=self._took(store, event))
             with store.atomic():
-                stage, run = event.get("stage"), event.get("run_id")
-                if msg and not self._duplicate(store, event, msg[0]):
+                if msg and msg[0] == "recovery" and stage and self._resolve(store, stage, msg[1], event):
+                    pass  # the alert itself now says it is resolved; the details are a reply under it
+                elif msg and not self._duplicate(store, event, msg[0]):
                     kind, text, thread = msg
                     blocks = text_blocks(text) + (alert_buttons(stage) if kind == "alert" and stage else [])
+                    opens = kind == "alert" and stage and event["kind"] == "verdict"
                     mid = store.enqueue(channel=self.channel, kind=kind, text=text, blocks=blocks,
-                                        thread_key=f"status:{run}" if thread and run else None)
+                                        thread_key=f"status:{run}" if thread and run else None,
+                                        update_key=f"alert:{event['id']}" if opens else None)
+                    if opens:  # resolved in place when the stage recovers
+                        store.put(self.k + f"open-alert:{stage}", {"key": f"alert:{event['id']}", "t": event["t"],
+                                                                   "text": text})
                     if kind == "alert" and stage and event["data"].get("to") == "stalled":
                         store.enqueue(channel=self.channel, kind="chart", text=f"{stage}, the last hour",
                                       thread_key=f"outbox:{mid}",
@@ -91,6 +116,29 @@ class Notifier:
                                   thread_key=f"status:{run}" if run else None,
                                   attachment={"chart": stage, "run": run, "text_if_none": True})
                 store.put(self.k + "notifier_after", event["id"])
+
+    def _took(self, store: Store, event: dict) -> float | None:
+        """How long the ending stage ran (a stage's done verdict, or training's end in the handoff)."""
+        d = event["data"]
+        stage = event.get("stage") if event["kind"] == "verdict" and d.get("to") == "done" else (
+            "train" if event["kind"] == "handoff" and d.get("step") in ENDINGS else None)
+        proc = store.latest_proc(stage) if stage else None
+        if not proc or not proc["started_at"]:
+            return None
+        return (proc["ended_at"] or event["t"]) - proc["started_at"]
+
+    def _resolve(self, store: Store, stage: str, text: str, event: dict) -> bool:
+        """Update the stage's open alert to "resolved after N" and reply under it with `text`; False when no
+        alert of this stage is open (the recovery is then a message of its own)."""
+        alert = store.get(self.k + f"open-alert:{stage}")
+        if not alert:
+            return False
+        resolved = resolved_text(alert["text"], event["t"] - alert["t"])
+        store.enqueue(channel=self.channel, kind="resolved", text=resolved, blocks=text_blocks(resolved),
+                      update_key=alert["key"])
+        store.enqueue(channel=self.channel, kind="recovery", text=text, thread_key=alert["key"])
+        store.put(self.k + f"open-alert:{stage}", None)
+        return True
 
     def _duplicate(self, store: Store, event: dict, kind: str) -> bool:
         """Alerts repeat at most once per cooldown for the same stage and cause, and not while snoozed."""
@@ -135,17 +183,28 @@ class Notifier:
         store.put(self.k + f"milestones:{run}", passed)
 
     def needs_status(self, store: Store) -> bool:
-        """True when a run is open and its status message was never enqueued (a run just started)."""
+        """True when a run is open and its status message was never enqueued (a run just started), or what it
+        shows changed (a verdict, a stage's state, the handoff step) and the last edit is `min_edit_s` old: the
+        changes within that time make one edit (the latest state), never one edit each."""
         run = store.current_run()
-        return bool(self.channel and run and not store.has_message(channel=self.channel, update_key=f"status:{run}"))
+        if not (self.channel and run):
+            return False
+        if not store.has_message(channel=self.channel, update_key=f"status:{run}"):
+            return True
+        if self.status_posted is None:  # a restarted service: the next change refreshes it
+            self.status_posted = (status_signature(store), self.clock())
+            return False
+        signature, at = self.status_posted
+        return self.clock() - at >= self.min_edit_s and status_signature(store) != signature
 
     def post_status(self, store: Store, status: RunStatus, version: str) -> None:
         """Enqueue the run's status message; delivery updates it in place after the first post."""
         if not self.channel:
             return
-        text, blocks = status_blocks(status, version=version)
+        text, blocks = status_blocks(status, version=version, host=self.host)
         store.enqueue(channel=self.channel, kind="status", text=text, blocks=blocks,
                       update_key=f"status:{status.run}")
+        self.status_posted = (status_signature(store), self.clock())
 
     def deliver(self, store: Store) -> None:
         blocked: set[str] = set()
@@ -193,8 +252,10 @@ class Notifier:
         if existing:
             self.client.chat_update(channel=m["channel"], ts=existing, text=m["text"], blocks=blocks)
             return existing
-        r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks,
-                                         thread_ts=self._thread_ts(store, m["thread_key"]))
+        thread = self._thread_ts(store, m["thread_key"])
+        extra = {"reply_broadcast": True} if thread and m["kind"] == "ending" else {}  # endings reach the channel
+        r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks, thread_ts=thread,
+                                         **extra)
         return r.get("ts")
 
     def _send_chart(self, store: Store, m: dict, spec: dict) -> str | None:

@@ -7,7 +7,7 @@ import re
 
 from pipeline.config import SECRET_ENV
 
-MUTATING = frozenset({"autostart on", "autostart off", "train", "later", "stop", "restart"})
+MUTATING = frozenset({"autostart on", "autostart off", "train", "stop", "restart"})  # `later` only reminds
 _SECRETS = [re.compile(r"xox[abposr]-[0-9A-Za-z-]+"), re.compile(r"xapp-[0-9A-Za-z-]+"),
             re.compile(r"(?i)(authorization:\s*)(bearer\s+)?\S+"), re.compile(r"(?i)(signing[_-]?secret\S*\s*[=:]\s*)\S+")]
 

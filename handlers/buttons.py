@@ -1,4 +1,6 @@
-"""Buttons: auto-start, cancel, check back later. A stale button changes nothing."""
+"""Buttons: auto-start, cancel, check back later, stop/restart. A button whose action has become meaningless
+changes nothing and is answered with the state as it is now. "Check back later" is read-only: anyone in an
+allowed channel may press it (it sets a reminder for the channel, nothing else)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from handlers.render.blocks import (
 )
 from handlers.render.views import SLASH, autostart_text, slack_time
 from pipeline.errors import UserError
+from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE
 
 STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # the status post's buttons
 LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later",
@@ -36,17 +39,19 @@ def register(app, *, controller_factory, ws) -> None:
         channel = (body.get("channel") or {}).get("id")
         ctl = controller_factory()
         try:
-            why = refusal(ws.config.slack, user=user, channel=channel, mutating=True)
-            stale = action_id not in (ACTION_SNOOZE,) and _version(action) != ctl.state_version()
-            if why is None and stale:
-                why = "this message is out of date (the run or auto-start changed since); run `/eagle3 status` again"
-                outcome = "stale"
-            else:
-                outcome = "refused"
+            why = refusal(ws.config.slack, user=user, channel=channel, mutating=action_id != ACTION_LATER)
             if why:
                 ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS.get(action_id, action_id),
-                                outcome=outcome, detail=why)
+                                outcome="refused", detail=why)
                 return respond(text=why, response_type="ephemeral", replace_original=False)
+            moot = meaningless(ctl, action_id, action)
+            if moot:  # drawn for a state that has passed: say so, with the state as it is now
+                ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS.get(action_id, action_id),
+                                outcome="stale", detail=moot)
+                text, blocks = status_blocks(ctl.status(sample_if_unmonitored=False), version=ctl.state_version(),
+                                             note=f"{LABELS.get(action_id, action_id)}: {moot}")
+                return respond(text=f"{moot}. {text}", blocks=blocks, response_type="ephemeral",
+                               replace_original=False)
             if action_id == ACTION_CONFIRM:
                 ctl.store.audit(user=f"slack:{user}", channel=channel, action=_describe(action), outcome="confirmed")
                 threading.Thread(target=_stop_later, args=(controller_factory, action, user, respond),
@@ -92,6 +97,31 @@ def register(app, *, controller_factory, ws) -> None:
         finally:
             ctl.close()
         respond(text=text, blocks=blocks, response_type="ephemeral", replace_original=False)
+
+
+def meaningless(ctl, action_id: str, action: dict) -> str | None:
+    """Why a button no longer means anything (None: it still does). A button is checked against what it was
+    drawn to do, not against the exact state it was drawn in: "Cancel auto-start" stays valid while auto-start
+    can be cancelled, however many steps the handoff took since."""
+    if action_id in (ACTION_SNOOZE, ACTION_LATER, ACTION_KEEP):
+        return None
+    drawn = _version(action) or ""
+    run_then = drawn.rsplit(":", 1)[0] if ":" in drawn else None
+    run_now, step = ctl.state_version().rsplit(":", 1)
+    if run_then != run_now:
+        return f"this message belongs to run {run_then or '(unknown)'}; the open run is {run_now}"
+    if action_id == ACTION_CANCEL and step not in CANCELLABLE:
+        return f"auto-start can no longer be cancelled (it is {step})"
+    if action_id == ACTION_AUTOSTART and step in CANCELLABLE:
+        return f"auto-start is already armed (it is {step})"
+    if action_id == ACTION_AUTOSTART and step in (TRAINING, TRAINING_DONE):
+        return f"training already ran in this run (auto-start is {step})"
+    if action_id == ACTION_CONFIRM:
+        stage = str(_value(action).get("stage"))
+        st = ctl.status(sample_if_unmonitored=False).stages.get(stage)
+        if st is None or not st.running:
+            return f"{stage} is not running any more"
+    return None
 
 
 def _value(action: dict) -> dict:

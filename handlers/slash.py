@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import threading
 
 from handlers.auth import MUTATING, redact, refusal
@@ -47,7 +48,7 @@ def parse(text: str) -> tuple[str, list[str]]:
     if verb == "autostart" and args[:1] in (["on"], ["off"]):
         return f"autostart {args[0]}", []
     known = {usage.split()[0] for usage in SUBCOMMANDS} - {"autostart"}
-    return (verb, args) if verb in known else ("help", [])
+    return (verb, args) if verb in known else ("help", [verb[:40]])
 
 
 def register(app, *, controller_factory, ws) -> None:
@@ -78,6 +79,9 @@ def register(app, *, controller_factory, ws) -> None:
             ack(text=text, blocks=blocks)
         finally:
             ctl.close()
+        if verb in ("autostart on", "autostart off") or (verb == "train" and text.startswith("training started")):
+            # the channel learns who armed, cancelled or started what (the ack above is the asker's alone)
+            respond(text=f"<@{user}> `/eagle3 {verb}`: {text}", response_type="in_channel", replace_original=False)
 
 
 def _complete_cheaply(ctl) -> bool:
@@ -94,7 +98,7 @@ def _train_later(controller_factory, user: str, respond) -> None:
         text = f"training did not start: {exc}"
     finally:
         ctl.close()
-    respond(text=text, response_type="in_channel", replace_original=False)
+    respond(text=f"<@{user}> `/eagle3 train`: {text}", response_type="in_channel", replace_original=False)
 
 
 def _name_a_stage(verb: str) -> tuple[str, list]:
@@ -159,5 +163,9 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
     if verb == "later":
         r = ctl.remind(args[0] if args else "1h", by=f"slack:{user}")
         text = f"I'll post the status again in {ago(r['due_at'] - r['created_at'])}."
+        return text, text_blocks(text)
+    if args:  # a word that is not a command: say so, with the nearest command, and the short help
+        near = difflib.get_close_matches(args[0], sorted({u.split()[0] for u in SUBCOMMANDS}), n=1, cutoff=0.6)
+        text = (f"unknown command `{args[0]}`" + (f" — did you mean `{near[0]}`?" if near else "") + "\n" + HELP)
         return text, text_blocks(text)
     return HELP, text_blocks(HELP)

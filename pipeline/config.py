@@ -183,6 +183,8 @@ class SlackConfig(_Section):
     allowed_channel_ids: list[str] = Field(default_factory=list, description="Channels the bot answers in (empty: any).")
     oncall_user_ids: list[str] = Field(default_factory=list, description="Users @-mentioned on alerts.")
     post_interval_min: float = Field(default=30, gt=0, description="Minutes between scheduled progress updates.")
+    min_edit_s: float = Field(default=10.0, gt=0, description="The status post is edited when a verdict, a stage's "
+                              "state or the handoff step changes, at most once per this many seconds.")
     redact_patterns: list[str] = Field(
         default_factory=list, description="Regexes masked in log excerpts posted to Slack, besides tokens and Authorization headers.")
 

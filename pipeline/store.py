@@ -294,6 +294,12 @@ class Store:
         """Store an outgoing message (delivered in id order per channel). `thread_key` is an update
         key whose message the reply goes under, or `outbox:ID` (the reply goes under that message);
         `attachment` says what to upload with it (`{"chart": stage, ...}`), rendered at delivery."""
+        if kind == "status" and update_key:  # a newer status replaces one not yet delivered: one edit, the latest
+            row = self.db.execute("SELECT id FROM outbox WHERE status = 'pending' AND kind = 'status' AND channel = ? "
+                                  "AND update_key = ? ORDER BY id DESC LIMIT 1", [channel, update_key]).fetchone()
+            if row:
+                self.db["outbox"].update(row[0], {"text": text, "blocks": json.dumps(blocks or []), "t": self.clock()})
+                return row[0]
         return self.db["outbox"].insert({
             "t": self.clock(), "channel": channel, "kind": kind, "text": text, "blocks": json.dumps(blocks or []),
             "update_key": update_key, "thread_key": thread_key, "status": "pending", "attempts": 0,

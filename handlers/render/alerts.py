@@ -14,28 +14,39 @@ def mention(user_ids: list[str]) -> str:
     return " ".join(f"<@{u}>" for u in user_ids)
 
 
-def event_message(event: dict, *, oncall: list[str], patterns: list[str] = ()) -> tuple[str, str, str | None] | None:
-    """(kind, text, thread_key) for an event worth posting, else None. thread_key: reply in the run's thread.
-    Evidence may quote a stage's log: it is redacted like a posted log excerpt."""
+ENDINGS = ("training-done", "training-failed")  # handoff steps that end a run: broadcast to the channel
+
+
+def event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), host: str = "",
+                  took_s: float | None = None) -> tuple[str, str, str | None] | None:
+    """(kind, text, thread_key) for an event worth posting, else None. thread_key: reply in the run's thread
+    (kind "ending": a reply broadcast to the channel too). `host` is named in what reaches the channel;
+    `took_s`: how long the stage ran, for its ending. Evidence may quote a stage's log: it is redacted like a
+    posted log excerpt."""
     d, kind, stage = event["data"], event["kind"], event.get("stage")
+    on = f" on `{host}`" if host else ""
+    took = f" after {ago(took_s)}" if took_s else ""
     if kind == "verdict":
         to, frm = Verdict.of(d.get("to")), Verdict.of(d.get("from"))
         evidence = redact("\n".join(f"• {r}" for r in d.get("reasons") or []), patterns=patterns)
         if to and to.stuck:
-            return "alert", f":rotating_light: {mention(oncall)} *{stage} is {to}*\n{evidence}", None
+            return "alert", f":rotating_light: {mention(oncall)} *{stage} is {to}*{on}\n{evidence}", None
         if frm and frm.stuck and to and to.working:
-            return "recovery", f":white_check_mark: {stage} recovered: {frm} → {to}", None
+            return "recovery", f":white_check_mark: {stage} recovered{on}: {frm} → {to}\n{evidence}", None
         if to == "done":
-            return "done", f":tada: {stage} is done\n{evidence}", "run"
+            return "ending", f":tada: *{stage} is done*{on}{took}\n{evidence}", "run"
         return None  # a requested stop, a start, progressing ↔ slow: no message
+    if kind == "handoff" and d.get("step") in ENDINGS:
+        icon = ":tada:" if d["step"] == "training-done" else ":x:"
+        return "ending", f"{icon} auto-start: *{d['step']}*{on}{took} — {d['reason']}", "run"
     if kind == "handoff":
         return "handoff", f"auto-start: *{d['step']}* — {d['reason']}", "run"
     if kind == "chain":
         return "handoff", f"auto-start: *extraction started* — {d['reason']}; the server stays up", "run"
     if kind in ("handoff-alert", "restart-limit", "condition-alert"):
-        return "alert", f":rotating_light: {mention(oncall)} {d['reason']}", None
+        return "alert", f":rotating_light: {mention(oncall)}{on} {d['reason']}", None
     if kind == "transport-warning":
-        return "warning", f":warning: {d['reason']}", None
+        return "warning", f":warning:{on} {d['reason']}", None
     if kind == "stage-restart":
         return "restart", f"{stage} restarted (attempt {d['attempt']} of {d['limit']}) after: {d['reason']}", "run"
     if kind == "reminder":
@@ -44,8 +55,14 @@ def event_message(event: dict, *, oncall: list[str], patterns: list[str] = ()) -
         by = d["by"]
         who = f"<@{by.removeprefix('slack:')}> checking back as asked" if by.startswith("slack:") else \
             f"checking back as asked by {by}"
-        return "reminder", f"{who}: " + ("; ".join(parts) or "no stage observed yet"), None
+        return "reminder", f"{who}{on}: " + ("; ".join(parts) or "no stage observed yet"), None
     return None
+
+
+def resolved_text(original: str, after_s: float) -> str:
+    """The alert as it reads once resolved: its headline struck through, and for how long it lasted."""
+    head = original.split("\n", 1)[0]
+    return f"~{head}~\n:white_check_mark: resolved after {ago(after_s)} (details in the thread)"
 
 
 def escalation_text(stage: str, since_s: float, oncall: list[str]) -> str:

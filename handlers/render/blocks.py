@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 from slack_sdk.models.blocks import (
     ActionsBlock,
     ButtonElement,
+    ConfirmObject,
     ContextBlock,
     MarkdownTextObject,
     SectionBlock,
@@ -77,9 +79,9 @@ def _details(name: str, st: StageStatus, now: float) -> list[str]:
         rates.append(f"{st.rate_samples_per_s:.2f} {'steps' if name == 'train' else 'samples'}/s")
     if st.rate_tokens_per_s:
         rates.append(f"{st.rate_tokens_per_s:,.0f} tokens/s")
-    if st.eta_s is not None:
-        rates.append(f"ETA {ago(st.eta_s)} ({ago(st.eta_low_s)}–{ago(st.eta_high_s)}), "
-                     f"about {slack_time(now + st.eta_s)}")
+    if st.eta_s is not None and st.verdict != "done":  # a finished stage has no time left to show
+        when = slack_time(now + st.eta_s, "{time}" if st.eta_s < 12 * 3600 else "{date_short_pretty} {time}")
+        rates.append(f"ETA {ago(st.eta_s)} ({ago(st.eta_low_s)}–{ago(st.eta_high_s)}), about {when}")
     if st.last_progress_at:
         rates.append(f"last progress {ago(now - st.last_progress_at)} ago")
     if rates:
@@ -104,12 +106,15 @@ def _details(name: str, st: StageStatus, now: float) -> list[str]:
 
 
 def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
-                  note: str | None = None) -> tuple[str, list]:
+                  note: str | None = None, host: str | None = None) -> tuple[str, list]:
     """(fallback text, blocks) for `/eagle3 status`; `note`: a context line above the buttons
-    (who chose what, after a click on the status post)."""
+    (who chose what, after a click on the status post); `host`: the pipeline's host (default: this one, where
+    the bot runs), so that two hosts in one channel can be told apart."""
     now = now or time.time()
     name, st = _focus(status)
-    headline = f"*Run {status.run or '(none open)'}* — {name}: *{st.verdict or st.state}*"
+    host = socket.gethostname() if host is None else host
+    headline = (f"*Run {status.run or '(none open)'}*" + (f" on `{host}`" if host else "")
+                + f" — {name}: *{st.verdict or st.state}*")
     sentence = answer(name, st) if st.started else "Nothing is running yet."
     blocks = [SectionBlock(text=MarkdownTextObject(text=_clip(f"{headline}\n{sentence}")))]
     details = _details(name, st, now)
@@ -128,7 +133,10 @@ def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
         buttons = []  # no run to hand off in, or training already ran or runs in it
     else:
         buttons = [ButtonElement(text="Auto-start training when extraction finishes", action_id=ACTION_AUTOSTART,
-                                 value=value, style="primary")]
+                                 value=value, style="primary", confirm=confirm(
+                                     "Auto-start training?", "When extraction is verified complete, the SGLang "
+                                     "server is stopped — for everyone using it — and training starts on its GPUs.",
+                                     "Arm auto-start"))]
     buttons.append(ButtonElement(text="Check back later", action_id=ACTION_LATER, value=value))
     blocks.append(ActionsBlock(elements=buttons))
     return f"{name}: {st.verdict or st.state} — {sentence}", [b.to_dict() for b in blocks]
@@ -142,11 +150,22 @@ def text_blocks(text: str) -> list:
 ACTION_CONFIRM, ACTION_KEEP = "eagle3_confirm", "eagle3_keep"
 
 
+def confirm(title: str, text: str, yes: str) -> ConfirmObject:
+    """Slack's own are-you-sure dialog on a button (Block Kit `confirm`), shown before the click is sent."""
+    return ConfirmObject(title=title, text=MarkdownTextObject(text=text), confirm=yes, deny="Cancel", style="danger")
+
+
+CONSEQUENCES = {"stop": "{stage} is stopped: SIGTERM to its process group, SIGKILL after the grace period.",
+                "restart": "{stage} is stopped (SIGTERM, then SIGKILL after the grace period) and started again."}
+
+
 def confirm_blocks(verb: str, stage: str, version: str) -> list:
-    """Confirm / keep buttons for stop and restart."""
+    """Confirm / keep buttons for stop and restart; the confirm button asks Slack's dialog first."""
     value = json.dumps({"v": version, "verb": verb, "stage": stage})
     return [ActionsBlock(elements=[
-        ButtonElement(text=f"{verb.capitalize()} {stage}", action_id=ACTION_CONFIRM, value=value, style="danger"),
+        ButtonElement(text=f"{verb.capitalize()} {stage}", action_id=ACTION_CONFIRM, value=value, style="danger",
+                      confirm=confirm(f"{verb.capitalize()} {stage}?", CONSEQUENCES[verb].format(stage=stage),
+                                      f"{verb.capitalize()} {stage}")),
         ButtonElement(text="Keep it running", action_id=ACTION_KEEP, value=value)]).to_dict()]
 
 

@@ -175,7 +175,7 @@ def verdict_line(stage: str, st: StageStatus) -> str:
     parts = [f"{'':<8} verdict: {verdict}"]
     if st.progress_pct is not None:
         parts.append(_progress_text(st))
-    if st.eta_s is not None:
+    if st.eta_s is not None and verdict != Verdict.DONE:  # a finished stage has no time left to show
         parts.append(_band_text(st))
     elif verdict.working:
         parts.append(f"no ETA yet ({st.eta_note})" if st.eta_note else "ETA not yet meaningful")
@@ -192,7 +192,7 @@ def eta_line(stage: str, st: StageStatus, *, now: float | None = None, slack: bo
     head = f"*{stage}*: {st.verdict or st.state}"
     if st.progress_pct is not None:
         head += f", {_progress_text(st)}"
-    if st.eta_s is not None:
+    if st.eta_s is not None and st.verdict != Verdict.DONE:
         finish = (now or time.time()) + st.eta_s
         return (f"{head}, {_band_text(st)}, "
                 f"finishing around {slack_time(finish, '{date_short_pretty} {time}') if slack else clock_time(finish)}")

@@ -1,6 +1,7 @@
 """The monitor over real processes: observations, verdicts in status, export and replay."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def test_serve_observes_progress_and_status_shows_verdict(tmp_path):
     # the console transport prints each message as Slack would show it: the status post, then "done" in its thread
     assert "console transport (no Slack tokens)" in output
     assert "*Run r" in output and "[ Auto-start training when extraction finishes ]  [ Check back later ]" in output
-    assert "↳ :tada: extract is done\n    • exited 0 with 300 / 300 done" in output
+    assert re.search(r"↳ :tada: \*extract is done\* on `[^`]+` after \d+s\n    • exited 0 with 300 / 300 done", output), output
     trace = tmp_path / "trace.jsonl"
     assert eagle3("export-trace", "--stage", "extract", "--out", str(trace), "--config", str(cfg)).returncode == 0
     lines = trace.read_text().splitlines()

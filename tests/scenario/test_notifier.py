@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -26,7 +27,7 @@ def env(tmp_path):
 
     def notifier(**kw):
         return Notifier(ws=ws, client=slack_client("xoxb-test", fake.url + "/api/"), clock=lambda: clock["t"],
-                        **{"pace_s": 0.0, **kw})
+                        **{"pace_s": 0.0, "host": "", **kw})
 
     yield {"ws": ws, "fake": fake, "store": store, "clock": clock, "notifier": notifier}
     store.close()
@@ -248,7 +249,7 @@ def test_console_transport_prints_blocks_as_text_with_its_own_cursor(env, capsys
     console.tick(store)
     slack.tick(store)
     out = capsys.readouterr().out
-    assert "*extract is stalled*\n    • no progress for 3m10s\n    • CPU time flat" in out
+    assert "*extract is stalled* on `" in out and "\n    • no progress for 3m10s\n    • CPU time flat" in out
     assert "[ Show logs ]  [ Snooze 1 h ]" in out
     assert len(env["fake"].of("chat.postMessage")) == 1, "the console's dedup does not swallow Slack's alert"
 
@@ -392,3 +393,66 @@ def test_a_chart_request_becomes_an_upload(env):
     n.tick(store)
     assert [m for m, _ in fake.calls if m in UPLOAD_FLOW] == UPLOAD_FLOW
     assert fake.of("files.completeUploadExternal")[0]["initial_comment"] == "extract, as <@U1> asked"
+
+
+def test_the_status_post_is_edited_on_a_verdict_change_within_min_edit_s_and_not_more_often(env):
+    """Issue 35: a change of verdict, stage state or handoff step edits the post within min_edit_s (10 s); the
+    changes within that time make one edit, with the latest state."""
+    n, store, fake, clock = env["notifier"](host="gpu-017"), env["store"], env["fake"], env["clock"]
+    run = store.open_run()
+
+    def one_pass():  # what the delivery thread does each second
+        if n.needs_status(store):
+            n.post_status(store, not_started(run), f"{run}:off")
+        n.tick(store)
+
+    one_pass()
+    assert len(fake.of("chat.postMessage")) == 1 and "on `gpu-017`" in json.dumps(fake.of("chat.postMessage")[0])
+    edits = []
+    changes = {1: "progressing", 2: "slow", 3: "stalled", 12: "progressing"}
+    for second in range(1, 26):
+        to = changes.get(second)
+        clock["t"] += 1.0
+        if to:
+            store.put("verdict:extract", {"verdict": to, "run": run, "proc_id": 1})
+        before = len(fake.of("chat.update"))
+        one_pass()
+        if len(fake.of("chat.update")) > before:
+            edits.append(second)
+    assert edits == [10, 20], edits  # the first change waits out min_edit_s from the post; three make one edit
+    assert len(fake.of("chat.update")) == 2
+
+
+def test_a_recovery_resolves_the_alert_in_place_with_the_details_in_its_thread(env):
+    n, store, fake, clock = env["notifier"](host="gpu-017"), env["store"], env["fake"], env["clock"]
+    n.tick(store)
+    verdict(store, "extract", "progressing", "stalled", ("no progress for 3m10s",))
+    n.tick(store)
+    alert = fake.of("chat.postMessage")[0]
+    assert "*extract is stalled* on `gpu-017`" in alert["text"]
+    ts = store.get("ts:" + store.get("open-alert:extract")["key"])
+    clock["t"] += 600
+    verdict(store, "extract", "stalled", "progressing", ("last progress 2s ago",))
+    n.tick(store)
+    update = fake.of("chat.update")[-1]
+    assert update["ts"] == ts and "resolved after 10m" in update["text"] and update["text"].startswith("~")
+    reply = fake.of("chat.postMessage")[-1]
+    assert reply["thread_ts"] == ts and "recovered on `gpu-017`: stalled → progressing" in reply["text"]
+    assert len(fake.of("chat.postMessage")) == 2  # the alert and its reply: no new top-level message
+
+
+def test_endings_are_broadcast_to_the_channel_and_name_the_host(env):
+    """(How long the stage ran is in the same line: tests/integration/test_monitor.py, over a real stage.)"""
+    n, store, fake = env["notifier"](host="gpu-017"), env["store"], env["fake"]
+    n.tick(store)
+    n.post_status(store, not_started("r1"), "r1:off")
+    n.tick(store)
+    store.add_event(kind="verdict", run_id="r1", stage="extract",
+                    data={"from": "progressing", "to": "done", "reasons": ["exited 0 with 40 / 40 done"]})
+    store.add_event(kind="handoff", run_id="r1", data={"step": "training-done",
+                                                       "reason": "training finished (exit 0); draft: /ckpt/draft"})
+    n.tick(store)
+    done, trained = fake.of("chat.postMessage")[-2:]
+    for m in (done, trained):
+        assert m["reply_broadcast"] is True and m["thread_ts"] == store.get("ts:status:r1") and "`gpu-017`" in m["text"]
+    assert "*extract is done* on `gpu-017`" in done["text"] and "draft: /ckpt/draft" in trained["text"]

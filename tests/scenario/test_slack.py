@@ -77,6 +77,26 @@ def test_chart_is_asked_for_and_says_where_it_will_appear(slack):
     assert text == "The extract chart will be posted when `eagle3 serve` runs again (it is not running).", text
 
 
+def test_the_auto_start_button_asks_slacks_confirm_dialog_first(slack):
+    blocks = command(slack, "status").json()["blocks"]
+    button = next(e for b in blocks if b["type"] == "actions" for e in b["elements"]
+                  if e["action_id"] == "eagle3_autostart_on")
+    assert button["confirm"]["title"]["text"] == "Auto-start training?"
+    assert "server is stopped — for everyone using it" in button["confirm"]["text"]["text"]
+
+
+def test_arming_auto_start_is_posted_to_the_channel_with_its_actor(slack):
+    assert "armed" in command(slack, "autostart on").json()["text"]
+    posted = wait_for(lambda: [p for p in slack["fake"].of("response_url") if p.get("response_type") == "in_channel"],
+                      what="the channel's note")
+    assert posted[0]["text"].startswith("<@UOK> `/eagle3 autostart on`: ")
+
+
+def test_a_typo_says_unknown_command_and_the_nearest_one(slack):
+    text = command(slack, "statsu").json()["text"]
+    assert text.startswith("unknown command `statsu` — did you mean `status`?") and "commands:" in text
+
+
 def test_unknown_and_overlong_text_get_help(slack):
     assert "commands:" in command(slack, "rm -rf /").json()["text"]
     assert "commands:" in command(slack, "status " + "x" * 500).json()["text"]
@@ -96,10 +116,33 @@ def test_button_double_click_is_one_state_change_and_updates_the_message(slack):
     shown = json.dumps(update["blocks"])
     assert "*Run " in shown and "40.0 % (40 / 100)" in shown and "chose *Auto-start training*" in shown
     assert "Cancel auto-start" in shown and "Auto-start training when extraction finishes" not in shown
-    assert "out of date" in fake.of("response_url")[0]["text"]
+    # the second click's action has become meaningless: it is answered with the state as it is now
+    stale = fake.of("response_url")[0]
+    assert "auto-start is already armed" in stale["text"] and "Cancel auto-start" in json.dumps(stale["blocks"])
     rows = audit(slack["cfg"])
     assert rows.count(("slack:UOK", "C1", "Auto-start training", "done")) == 1
     assert ("slack:UOK", "C1", "Auto-start training", "stale") in rows
+    # issue 35: the Cancel button drawn then still cancels after two monitor ticks moved the handoff on
+    cancel = next(e for b in update["blocks"] if b["type"] == "actions" for e in b["elements"]
+                  if e["action_id"] == "eagle3_autostart_off")
+    from pipeline.config import load_workspace
+    from pipeline.handoff.machine import Handoff
+    from pipeline.stages.supervisor import Supervisor
+    from pipeline.store import Store
+
+    ws = load_workspace(slack["cfg"])
+    store = Store(ws.store_path)
+    try:
+        for _ in range(2):
+            Handoff(ws=ws, store=store, supervisor=Supervisor(workspace=ws, store=store)).tick()
+        moved = Handoff(ws=ws, store=store, supervisor=Supervisor(workspace=ws, store=store)).state()["step"]
+    finally:
+        store.close()
+    assert moved == "waiting-for-completion" and json.loads(cancel["value"])["v"].endswith(":armed")
+    assert click(slack, "eagle3_autostart_off", cancel["value"]).status_code == 200
+    wait_for(lambda: len(fake.of("chat.update")) >= 2, what="the cancel's update")
+    assert "chose *Cancel auto-start*" in fake.of("chat.update")[-1]["text"]
+    assert audit(slack["cfg"]).count(("slack:UOK", "C1", "Cancel auto-start", "done")) == 1
 
 
 def test_serve_http_end_to_end(tmp_path):
@@ -147,6 +190,9 @@ def test_stop_asks_to_confirm_then_stops_the_group(slack):
     assert eagle3("start", "train", "--force", "--config", str(slack["cfg"])).returncode == 0
     msg = command(slack, "stop train").json()
     assert "Stop *train*?" in msg["text"]
+    confirm = next(e for b in msg["blocks"] if b["type"] == "actions" for e in b["elements"]
+                   if e["action_id"] == "eagle3_confirm")["confirm"]  # Slack's own dialog before the click
+    assert confirm["title"]["text"] == "Stop train?" and "SIGKILL after the grace period" in confirm["text"]["text"]
     assert json.loads(eagle3("status", "--json", "--config", str(slack["cfg"])).stdout)["stages"]["train"]["state"] \
         == "running", "nothing happens before the confirmation"
     assert click(slack, "eagle3_confirm", value_of(msg["blocks"], "eagle3_confirm")).status_code == 200
@@ -184,10 +230,10 @@ def test_acks_never_wait_for_a_slow_rate_limiting_slack(slack):
     fake.script["chat.update"] = [("429", 5)]
     fake.script["chat.postMessage"] = [("429", 5)]
     blocks = command(slack, "status").json()["blocks"]
-    later = value_of(blocks, "eagle3_later")
+    later, auto = value_of(blocks, "eagle3_later"), value_of(blocks, "eagle3_autostart_on")
     for what, send in [("command", lambda: command(slack, "status")),
                        ("click", lambda: click(slack, "eagle3_later", later)),
-                       ("stranger's click", lambda: click(slack, "eagle3_later", later, user="UNOPE")),
+                       ("stranger's click", lambda: click(slack, "eagle3_autostart_on", auto, user="UNOPE")),
                        ("stranger's command", lambda: command(slack, "autostart on", user="UNOPE"))]:
         t = time.monotonic()
         assert send().status_code == 200

@@ -37,7 +37,7 @@ def test_handoff_steps_cancellable_followed_and_final():
 @pytest.mark.parametrize("frm,to,kind", [("progressing", "stalled", "alert"), ("slow", "dead", "alert"),
                                          ("stalled", "progressing", "recovery"), ("dead", "starting", "recovery"),
                                          ("stalled", "stopped", None), ("progressing", "slow", None),
-                                         ("progressing", "done", "done"), (None, "a-verdict-from-a-newer-version", None)])
+                                         ("progressing", "done", "ending"), (None, "a-verdict-from-a-newer-version", None)])
 def test_verdict_events_page_recover_or_stay_quiet_by_the_predicates(frm, to, kind):
     msg = event_message({"kind": "verdict", "stage": "extract", "data": {"from": frm, "to": to, "reasons": []}},
                         oncall=["U1"])
