@@ -263,7 +263,7 @@ class Notifier:
         files_upload_v2 (files.getUploadURLExternal, the upload, files.completeUploadExternal), the
         message's text as its comment. Nothing to draw: the text alone, or nothing for a chart-only
         message. No `files:write` scope: the text, with what to fix said once."""
-        from pipeline.observe.charts import render_run
+        from pipeline.observe.charts import alt_text, render_run
 
         stage, thread = spec["chart"], self._thread_ts(store, m["thread_key"])
         out = self.ws.state_dir / "charts" / f"{stage}-{m['id']}.png"
@@ -280,7 +280,8 @@ class Notifier:
         self._prune(out.parent)
         try:
             r = self.client.files_upload_v2(channel=m["channel"], file=str(png), filename=png.name,
-                                            title=f"eagle3 — {stage}", initial_comment=m["text"], thread_ts=thread)
+                                            title=f"eagle3 — {stage} (times in UTC)", alt_txt=alt_text(stage),
+                                            initial_comment=m["text"], thread_ts=thread)
         except SlackApiError as exc:
             if not isinstance(exc.response.data, dict) or exc.response.get("error") != "missing_scope":
                 raise

@@ -114,7 +114,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
     if verb in ("stuck", "eta"):
         started = status.started()
         lines = ([eta_line(n, st, slack=True) for n, st in started.items()] if verb == "eta" else
-                 [f"*{n}*: {st.state}\n{verdict_line(n, st).strip()}" for n, st in started.items()])
+                 [f"*{n}*: {st.state}\n{verdict_line(n, st, slack=True)}" for n, st in started.items()])
         text = "\n".join(lines) or "Nothing has been started."
         return text, text_blocks(text)
     if verb == "gpus":

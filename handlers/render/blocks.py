@@ -17,6 +17,7 @@ from slack_sdk.models.blocks import (
 
 from handlers.render.views import ago, plain_times, slack_time
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
+from pipeline.observe.verdict import fmt_bytes
 from pipeline.status import RunStatus, StageStatus
 
 SECTION_LIMIT = 3000
@@ -88,21 +89,44 @@ def _details(name: str, st: StageStatus, now: float) -> list[str]:
         lines.append(" · ".join(rates))
     gpus = st.gpus or []
     if gpus:
-        lines.append("GPUs: " + ", ".join(
-            f"{g['index']}: {g['util']:.0f} %, {g['mem_used_mb'] / 1024:.0f} GB"
-            + (f" ({', '.join(g['holders'])})" if g.get("holders") else "")
-            for g in gpus if g.get("util") is not None and g.get("mem_used_mb") is not None)
-            + " — idle GPUs alone are not a stall")
+        lines.append(gpu_summary(gpus) + " — idle GPUs alone are not a stall")
     disk = st.disk or {}
     if disk.get("free_bytes") is not None:
         fit = {True: "the run fits", False: "*the run will not fit*", None: "need unknown"}[disk.get("fits")]
-        lines.append(f"disk: {disk['free_bytes'] / 1e12:.2f} TB free, {fit}")
+        lines.append(f"disk: {fmt_bytes(disk['free_bytes'])} free, {fit}")
     server = st.server or {}
     if server.get("healthy") is not None:
         lines.append(f"server activity (not progress): {'healthy' if server['healthy'] else 'health check failing'}"
                      + (f", {server['running_reqs']:.0f} running" if server.get("running_reqs") is not None else "")
                      + (f", counter {server['requests_total']:,.0f} requests" if server.get("requests_total") else ""))
     return lines
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 3, 6] → '0–3, 6'."""
+    out, start = [], None
+    for i, j in zip(indices, indices[1:] + [None], strict=True):
+        start = i if start is None else start
+        if j != i + 1:
+            out.append(f"{start}–{i}" if i > start else f"{i}")
+            start = None
+    return ", ".join(out)
+
+
+def gpu_summary(gpus: list[dict]) -> str:
+    """GPUs alike grouped: 'GPUs 0–7: 97 % busy, 75 GB each (extract)'; a reading NVML did not give is '?'."""
+    groups: dict[tuple, list[int]] = {}
+    for g in gpus:
+        util = "?" if g.get("util") is None else f"{g['util']:.0f} %"
+        mem = "?" if g.get("mem_used_mb") is None else f"{g['mem_used_mb'] / 1024:.0f} GB"
+        groups.setdefault((util, mem, ", ".join(g.get("holders") or [])), []).append(g.get("index"))
+    parts = []
+    for (util, mem, holders), idx in groups.items():
+        idx = sorted(i for i in idx if isinstance(i, int))
+        name = f"GPU {idx[0]}" if len(idx) == 1 else f"GPUs {_ranges(idx)}"
+        parts.append(f"{name}: {util} busy, {mem}{' each' if len(idx) > 1 else ''}"
+                     + (f" ({holders})" if holders else ""))
+    return " · ".join(parts)
 
 
 def status_blocks(status: RunStatus, *, version: str, now: float | None = None,

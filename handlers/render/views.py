@@ -167,12 +167,13 @@ def _band_text(st: StageStatus) -> str:
     return f"ETA {ago(st.eta_s)} ({ago(st.eta_low_s)}–{ago(st.eta_high_s)})"
 
 
-def verdict_line(stage: str, st: StageStatus) -> str:
-    """The diagnosis part of a stage in `eagle3 status`."""
+def verdict_line(stage: str, st: StageStatus, *, slack: bool = False) -> str:
+    """The diagnosis part of a stage in `eagle3 status` (`slack`: for a message — no terminal indentation, the
+    evidence as bullets)."""
     verdict = st.verdict
     if not verdict:
         return ""
-    parts = [f"{'':<8} verdict: {verdict}"]
+    parts = [f"*verdict* {verdict}" if slack else f"{'':<8} verdict: {verdict}"]
     if st.progress_pct is not None:
         parts.append(_progress_text(st))
     if st.eta_s is not None and verdict != Verdict.DONE:  # a finished stage has no time left to show
@@ -184,7 +185,8 @@ def verdict_line(stage: str, st: StageStatus) -> str:
         parts.append(f"answers in memory {fmt_bytes(prog.get('inflight_bytes') or 0)} of "
                      f"{fmt_bytes(prog['max_inflight_bytes'])}")
     line = ", ".join(parts)
-    return line + ("\n" + "\n".join(f"{'':<10} - {r}" for r in st.reasons) if st.reasons else "")
+    bullet = "• " if slack else f"{'':<10} - "
+    return line + ("\n" + "\n".join(f"{bullet}{r}" for r in st.reasons) if st.reasons else "")
 
 
 def eta_line(stage: str, st: StageStatus, *, now: float | None = None, slack: bool = False) -> str:

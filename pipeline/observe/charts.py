@@ -1,13 +1,18 @@
 """`eagle3 chart STAGE --out FILE.png`: a stage's run drawn from its observations (matplotlib, Agg).
 
 - extraction (or any sample-counting stage): samples done and failed over time, the ETA band
-  projected forward from the last observation, the rate (samples/s, tokens/s), and markers where
-  the verdict turned slow, stalled or dead and where the stage was restarted;
-- training: loss and kl per step, tokens/s, and the last validation's accuracy by depth;
-- GPUs, under either: utilisation and power per GPU on the same time axis, with the stage that
-  held them.
+  projected forward while the stage still runs, the rate (samples/s, and tokens/s on its own
+  labelled axis), both from 0; markers where the stored verdict turned slow, stalled or dead (the
+  verdict events the alerts were sent from, not a recomputation) and where the stage was restarted;
+- training: loss and KL, the learning rate and the validation's top-1 accuracy at depth 1, and
+  tokens/s, all over time (the step is in the title);
+- GPUs, under either: utilisation per GPU with the stage that held it, and GPU memory (what the
+  handoff waits on before training).
 
-1200×720 px: readable at Slack's preview size. Times are UTC, said on the axis.
+Sized for Slack: 960×840 px at 150 dpi, fonts chosen so that text is at least MIN_TEXT_PX tall when
+Slack shows the image 480 px wide (tests/unit/pipeline/test_charts.py measures it). Times are UTC, said
+on the axis and in the image's alt text (Slack shows each reader's own time zone in messages; an image
+cannot).
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
-WIDTH_PX, HEIGHT_PX, DPI = 1200, 720, 100
+WIDTH_PX, HEIGHT_PX, DPI = 960, 840, 150
+PREVIEW_PX = 480  # the width Slack previews an image at
+MIN_TEXT_PX = 7.0  # the smallest text height (at the preview width) that stays readable
+FONT_PT = 9.0
 MARKED = {"slow": "#d08c00", "stalled": "#c0392b", "dead": "#7f0000"}
 
 
@@ -23,41 +31,60 @@ def _utc(t: float) -> datetime:
     return datetime.fromtimestamp(t, tz=UTC)
 
 
-def render(observations: list[dict], *, stage: str, out: Path, events: list[dict] = (), title: str | None = None) -> Path:
-    """Draw `observations` (one stage, time order) into a PNG at `out`; returns `out`."""
+def alt_text(stage: str, run: str | None = None) -> str:
+    """What the image shows, for screen readers and Slack's alt text; it names the time zone."""
+    what = ("loss, KL, learning rate, validation accuracy and tokens/s" if stage == "train" else
+            "progress, ETA band, rate and verdict changes")
+    return f"eagle3 {stage}{f', run {run}' if run else ''}: {what} over time, with GPU use; times in UTC"
+
+
+def draw(observations: list[dict], *, stage: str, events: list[dict] = (), title: str | None = None,
+         verdict: dict | None = None):
+    """The figure for `observations` (one stage, time order); `events`: the stage's stored events (verdict
+    changes, restarts); `verdict`: the stage's stored verdict (its ETA band; None: recomputed from the
+    observations, as for a trace file)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
-    from pipeline.observe.diagnosis import Diagnoser
-
     obs = [o for o in observations if isinstance(o.get("t"), (int, float))]
     gpus = any(o.get("gpus") for o in obs)
-    fig, axes = plt.subplots(3 if gpus else 2, 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI,
-                             sharex=stage != "train", squeeze=False)
-    axes = [a[0] for a in axes]
-    fig.suptitle(title or f"eagle3 — {stage}", fontsize=12)
-    if not obs:
-        axes[0].text(0.5, 0.5, "no observations yet", ha="center", va="center", transform=axes[0].transAxes)
-    elif stage == "train":
-        _training(axes[0], axes[1], obs)
-    else:
-        d = Diagnoser(stage=stage)
-        verdicts = [d.feed(o) for o in obs]
-        _progress(axes[0], obs, verdicts, events)
-        _rate(axes[1], obs)
-    if gpus:
-        _gpus(axes[-1], obs)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper left", fontsize=8)
-    for ax in axes[1 if stage == "train" else 0:]:
-        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M", tz=UTC))
-    axes[-1].set_xlabel("time (UTC)")
-    fig.tight_layout()
+    rows = 4 if gpus else 2
+    with plt.rc_context({"font.size": FONT_PT, "axes.titlesize": FONT_PT, "axes.labelsize": FONT_PT,
+                         "xtick.labelsize": FONT_PT - 1, "ytick.labelsize": FONT_PT - 1,
+                         "legend.fontsize": FONT_PT - 1}):
+        fig, axes = plt.subplots(rows, 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, sharex=True,
+                                 squeeze=False)
+        axes = [a[0] for a in axes]
+        fig.suptitle(title or f"eagle3 — {stage}", fontsize=FONT_PT + 1)
+        if not obs:
+            axes[0].text(0.5, 0.5, "no observations yet", ha="center", va="center", transform=axes[0].transAxes)
+        elif stage == "train":
+            _training(axes[0], axes[1], obs)
+        else:
+            last = verdict if verdict is not None else _recomputed(obs, stage)
+            _progress(axes[0], obs, last, events)
+            _rate(axes[1], obs)
+        if gpus:
+            _gpus(axes[2], axes[3], obs)
+        locator = mdates.AutoDateLocator(tz=UTC, minticks=3, maxticks=6)
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.xaxis.set_major_locator(locator)
+            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=UTC))
+        axes[-1].set_xlabel("time (UTC)")
+        fig.tight_layout()
+    return fig
+
+
+def render(observations: list[dict], *, stage: str, out: Path, events: list[dict] = (), title: str | None = None,
+           verdict: dict | None = None) -> Path:
+    """Draw into a PNG at `out`; returns `out`."""
+    import matplotlib.pyplot as plt
+
+    fig = draw(observations, stage=stage, events=events, title=title, verdict=verdict)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=DPI)
@@ -75,11 +102,33 @@ def render_run(store, stage: str, *, out: Path, run: str | None = None, since: f
         return None, 0, run
     events = [e for e in store.events() if e.get("stage") == stage and (not run or e.get("run_id") == run)
               and (since is None or e["t"] >= since)]
-    return render(obs, stage=stage, out=out, events=events,
+    stored = store.verdict(stage)
+    verdict = stored if stored and (not run or stored.get("run") == run) else {}
+    return render(obs, stage=stage, out=out, events=events, verdict=verdict,
                   title=title or f"eagle3 — {stage}" + (f", run {run}" if run else "")), len(obs), run
 
 
-def _progress(ax, obs: list[dict], verdicts: list, events) -> None:
+def _recomputed(obs: list[dict], stage: str) -> dict:
+    from pipeline.observe.diagnosis import Diagnoser
+
+    d = Diagnoser(stage=stage)
+    last = None
+    for o in obs:
+        last = d.feed(o)
+    return {"verdict": str(last.verdict), "eta_s": last.eta_s, "eta_low_s": last.eta_low_s,
+            "eta_high_s": last.eta_high_s, "final": last.verdict in ("done", "dead", "stopped")}
+
+
+def _legend(ax, *others) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    for o in others:
+        h, lab = o.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    if handles:
+        ax.legend(handles, labels, loc="upper left", framealpha=0.8)
+
+
+def _progress(ax, obs: list[dict], verdict: dict, events) -> None:
     pts = [(o["t"], o["progress"]) for o in obs if isinstance(o.get("progress"), dict)
            and isinstance(o["progress"].get("done"), (int, float))]
     if not pts:
@@ -91,26 +140,31 @@ def _progress(ax, obs: list[dict], verdicts: list, events) -> None:
     if any(p.get("failed") for _, p in pts):
         ax.plot(ts, [p.get("failed") or 0 for _, p in pts], color="#c0392b", label="failed")
     total = pts[-1][1].get("total")
-    last = verdicts[-1]
     if total:
         ax.axhline(total, color="grey", lw=0.8, ls=":", label=f"total {total:,}")
-    if last.eta_s is not None and total:
+    eta, low, high = verdict.get("eta_s"), verdict.get("eta_low_s"), verdict.get("eta_high_s")
+    running = verdict.get("verdict") not in ("done", "dead", "stopped") and not verdict.get("final")
+    if running and eta and total:  # a finished stage has nothing to project
         t_end = obs[-1]["t"]
         done = pts[-1][1]["done"] + (pts[-1][1].get("failed") or 0)
-        ax.plot([_utc(t_end), _utc(t_end + last.eta_s)], [done, total], color="#1f77b4", ls="--",
-                label="projected (ETA)")
-        ax.axvspan(_utc(t_end + last.eta_low_s), _utc(t_end + last.eta_high_s), color="#1f77b4", alpha=0.12,
-                   label="ETA band")
-    for prev, v in zip(verdicts, verdicts[1:], strict=False):
-        if v.verdict != prev.verdict and v.verdict in MARKED:
-            ax.axvline(_utc(v.t), color=MARKED[v.verdict], lw=1.2)
-            ax.annotate(v.verdict, (_utc(v.t), ax.get_ylim()[1]), fontsize=8, color=MARKED[v.verdict],
+        ax.plot([_utc(t_end), _utc(t_end + eta)], [done, total], color="#1f77b4", ls="--", label="projected (ETA)")
+        if low is not None and high is not None:
+            ax.axvspan(_utc(t_end + low), _utc(t_end + high), color="#1f77b4", alpha=0.12, label="ETA band")
+    ax.set_ylim(bottom=0)
+    for e in events or ():  # the stored verdict changes: what the alerts said, when they said it
+        t, d = e.get("t"), e.get("data") or {}
+        if not isinstance(t, (int, float)):
+            continue
+        if e.get("kind") == "verdict" and d.get("to") in MARKED:
+            ax.axvline(_utc(t), color=MARKED[d["to"]], lw=1.2)
+            ax.annotate(d["to"], (_utc(t), 1.0), xycoords=("data", "axes fraction"), color=MARKED[d["to"]],
                         rotation=90, va="top", ha="right")
-    for e in events or ():
-        if e.get("kind") == "stage-restart" and isinstance(e.get("t"), (int, float)):
-            ax.axvline(_utc(e["t"]), color="#555555", lw=1.0, ls="-.")
-            ax.annotate("restart", (_utc(e["t"]), 0), fontsize=8, rotation=90, va="bottom", ha="right")
+        elif e.get("kind") == "stage-restart":
+            ax.axvline(_utc(t), color="#555555", lw=1.0, ls="-.")
+            ax.annotate("restart", (_utc(t), 0.0), xycoords=("data", "axes fraction"), rotation=90, va="bottom",
+                        ha="right")
     ax.set_ylabel(unit)
+    _legend(ax)
 
 
 def _rate(ax, obs: list[dict]) -> None:
@@ -124,51 +178,81 @@ def _rate(ax, obs: list[dict]) -> None:
             rows.append((_utc(t1), n / (t1 - t0), k / (t1 - t0) if p1.get("tokens_done") is not None else None))
     if not rows:
         return
-    ax.plot([r[0] for r in rows], [r[1] for r in rows], color="#2ca02c", lw=0.8, label="samples/s")
-    ax.set_ylabel("samples/s")
+    unit = pts[-1][1].get("unit") or "samples"
+    ax.plot([r[0] for r in rows], [r[1] for r in rows], color="#2ca02c", lw=0.8, label=f"{unit}/s")
+    ax.set_ylabel(f"{unit}/s", color="#2ca02c")
+    ax.set_ylim(bottom=0)
+    tw = None
     if any(r[2] is not None for r in rows):
         tw = ax.twinx()
-        tw.plot([r[0] for r in rows], [r[2] or 0 for r in rows], color="#9467bd", lw=0.8, alpha=0.7)
+        tw.plot([r[0] for r in rows], [r[2] or 0 for r in rows], color="#9467bd", lw=0.8, alpha=0.8,
+                label="tokens/s (right axis)")
         tw.set_ylabel("tokens/s", color="#9467bd")
+        tw.set_ylim(bottom=0)
+    _legend(ax, *([tw] if tw else []))
+
+
+def _series(obs: list[dict], key: str) -> list[tuple[datetime, float]]:
+    return [(_utc(o["t"]), float(o["progress"][key])) for o in obs if isinstance(o.get("progress"), dict)
+            and isinstance(o["progress"].get(key), (int, float))]
 
 
 def _training(ax, ax2, obs: list[dict]) -> None:
-    rows = [o["progress"] for o in obs if isinstance(o.get("progress"), dict)
-            and isinstance(o["progress"].get("done"), (int, float))]
-    steps = [p["done"] for p in rows]
     for key, color in (("loss", "#1f77b4"), ("kl", "#ff7f0e")):
-        vals = [(s, p[key]) for s, p in zip(steps, rows, strict=True) if isinstance(p.get(key), (int, float))]
+        vals = _series(obs, key)
         if vals:
             ax.plot([v[0] for v in vals], [v[1] for v in vals], color=color, label=key)
-    acc = next((p["acc_by_depth"] for p in reversed(rows) if p.get("acc_by_depth")), None)
+    ax.set_ylabel("loss / KL (nats)")
+    ax.set_ylim(bottom=0)
+    others = []
+    acc = [(_utc(o["t"]), o["progress"]["acc_by_depth"][0]) for o in obs if isinstance(o.get("progress"), dict)
+           and o["progress"].get("acc_by_depth") and isinstance(o["progress"]["acc_by_depth"][0], (int, float))]
     if acc:
-        text = "top-1 by depth: " + " ".join("-" if a is None else f"{a:.2f}" for a in acc)
-        ax.text(0.99, 0.95, text, ha="right", va="top", fontsize=9, transform=ax.transAxes)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss / kl (nats)")
-    tok = [(_utc(o["t"]), o["progress"].get("tokens_per_s")) for o in obs if isinstance(o.get("progress"), dict)
-           and isinstance(o["progress"].get("tokens_per_s"), (int, float))]
+        tw = ax.twinx()
+        tw.plot([a[0] for a in acc], [a[1] for a in acc], color="#2ca02c", marker=".", lw=0.8,
+                label="validation top-1, depth 1 (right)")
+        tw.set_ylim(0, 1)
+        tw.set_ylabel("accuracy", color="#2ca02c")
+        others.append(tw)
+    step = next((o["progress"]["done"] for o in reversed(obs) if isinstance(o.get("progress"), dict)
+                 and isinstance(o["progress"].get("done"), (int, float))), None)
+    if step is not None:
+        ax.set_title(f"step {int(step):,}", loc="right")
+    _legend(ax, *others)
+    tok = _series(obs, "tokens_per_s")
     if tok:
         ax2.plot([t for t, _ in tok], [v for _, v in tok], color="#9467bd", lw=0.8, label="tokens/s")
-    ax2.set_ylabel("tokens/s")
+    ax2.set_ylabel("tokens/s", color="#9467bd")
+    ax2.set_ylim(bottom=0)
+    lr = _series(obs, "lr")
+    tw2 = None
+    if lr:
+        tw2 = ax2.twinx()
+        tw2.plot([t for t, _ in lr], [v for _, v in lr], color="#8c564b", lw=0.8, label="learning rate (right)")
+        tw2.set_ylabel("learning rate", color="#8c564b")
+        tw2.set_ylim(bottom=0)
+    _legend(ax2, *([tw2] if tw2 else []))
 
 
-def _gpus(ax, obs: list[dict]) -> None:
+def _gpus(ax, mem_ax, obs: list[dict]) -> None:
     series: dict[int, list] = {}
     holders: dict[int, set] = {}
     for o in obs:
         for g in o.get("gpus") or []:
             i = g.get("index")
             if isinstance(i, int):
-                series.setdefault(i, []).append((_utc(o["t"]), g.get("util"), g.get("power_w")))
+                series.setdefault(i, []).append((_utc(o["t"]), g.get("util"), g.get("mem_used_mb")))
                 holders.setdefault(i, set()).update(g.get("holders") or [])
-    tw = ax.twinx()
+    nan = float("nan")
     for i, rows in sorted(series.items()):
         held = f" ({', '.join(sorted(holders[i]))})" if holders.get(i) else ""
-        ax.plot([r[0] for r in rows], [r[1] if r[1] is not None else float("nan") for r in rows], lw=0.8,
-                label=f"GPU {i}{held}")
-        tw.plot([r[0] for r in rows], [r[2] if r[2] is not None else float("nan") for r in rows], lw=0.6, ls=":",
-                alpha=0.7)
-    ax.set_ylabel("utilisation %")
+        line = ax.plot([r[0] for r in rows], [r[1] if r[1] is not None else nan for r in rows], lw=0.8,
+                       label=f"{i}{held}")[0]
+        mem_ax.plot([r[0] for r in rows], [r[2] / 1024 if r[2] is not None else nan for r in rows], lw=0.8,
+                    color=line.get_color())
+    ax.set_ylabel("GPU use %")
     ax.set_ylim(-5, 105)
-    tw.set_ylabel("power W (dotted)")
+    mem_ax.set_ylabel("GPU memory GiB")
+    mem_ax.set_ylim(bottom=0)
+    if len(series) <= 8:
+        ax.legend(loc="upper left", ncols=min(4, len(series)), framealpha=0.8, title="GPU")

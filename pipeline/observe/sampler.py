@@ -22,7 +22,7 @@ from pipeline.observe.probes.files import FileScanner
 from pipeline.observe.probes.gpu import FakeNvml, GpuProbe, RealNvml
 from pipeline.observe.probes.process import group_processes, read_process
 from pipeline.observe.probes.server import ServerProbe
-from pipeline.observe.verdict import Policy, VerdictRecord
+from pipeline.observe.verdict import Policy, VerdictRecord, fmt_bytes
 from pipeline.stages.slurm import is_local_host
 from pipeline.stages.states import StageState, has_ended
 from pipeline.stages.supervisor import Supervisor
@@ -184,8 +184,8 @@ class Sampler:
         disk, prog = obs.get("disk") or {}, obs.get("progress") or {}
         conditions = {
             "disk": disk.get("fits") is False and (
-                f"the run will not fit on disk: {disk['need_bytes'] / 1e12:.2f} TB still to write, "
-                f"{disk['free_bytes'] / 1e12:.2f} TB free"),
+                f"the run will not fit on disk: {fmt_bytes(disk['need_bytes'])} still to write, "
+                f"{fmt_bytes(disk['free_bytes'])} free"),
             "train-error": stage == "train" and prog.get("error") and f"training reported: {prog['error']}",
         }
         for name, reason in conditions.items():

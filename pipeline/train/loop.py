@@ -387,7 +387,8 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
                                  "lower --lr or check the data; the next start resumes from the last checkpoint")
             if step % args.log_every == 0 or step == args.steps:
                 _write(progress, {"step": step, "total_steps": args.steps, "loss": round(mloss, 6),
-                                  "kl": round(mloss - ment, 6), "tokens_per_s": round(rate, 1)})
+                                  "kl": round(mloss - ment, 6), "tokens_per_s": round(rate, 1),
+                                  "lr": float(f"{sched.get_last_lr()[0]:.6g}")})
             if args.eval_every and step % args.eval_every == 0 and d.rank == 0:
                 _validation(out, step, model, corpus, ctx, args, d)
             if d.any(stop["flag"]):

@@ -348,6 +348,9 @@ def test_milestone_charts_upload_in_order_and_survive_an_outage(env):
     done = fake.of("files.completeUploadExternal")[0]
     assert done["initial_comment"] == "extract passed 25 %" and done["thread_ts"] == store.get("ts:status:" + run)
     assert done["channel_id"] == "C1"
+    files = done["files"] if isinstance(done["files"], list) else json.loads(done["files"])
+    assert files[0]["title"].endswith("(times in UTC)"), files  # the alt text is the upload URL request's
+    assert "times in UTC" in json.dumps(fake.of("files.getUploadURLExternal")[-1])
     assert store.pending_messages() == []
     assert store.get("chart:latest")["file_id"] == fake.of("upload")[0]["file_id"]
     assert any(p.suffix == ".png" for p in (env["ws"].state_dir / "charts").iterdir())

@@ -1,4 +1,5 @@
-"""Charts render for every stage from a simulated trace, at Slack's preview size or more."""
+"""Charts render for every stage from a simulated trace, readable at Slack's 480-px preview (text measured), with
+the stall marked where the stored verdict event put it, and no projection once finished."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import struct
 
 import pytest
 
-from pipeline.observe.charts import HEIGHT_PX, WIDTH_PX, render
+from pipeline.observe.charts import HEIGHT_PX, MIN_TEXT_PX, PREVIEW_PX, WIDTH_PX, draw, render
 from pipeline.toy.simtrace import Scenario, simulate
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,10 +30,68 @@ def test_the_chart_renders_with_its_size(tmp_path, scenario):
         for i, o in enumerate(obs):
             o["progress"].update(loss=3.0 / (1 + i / 10), kl=1.0 / (1 + i / 10), tokens_per_s=9000.0,
                                  acc_by_depth=[0.8, 0.7])
+        for i, o in enumerate(obs):
+            o["progress"].update(lr=1e-4 * min(1.0, i / 10))
     events = [{"kind": "stage-restart", "t": obs[len(obs) // 2]["t"]}]
     out = render(obs, stage=scenario.stage, out=tmp_path / "c.png", events=events)
-    w, h = png_size(out)
-    assert w >= 1000 and h >= 600 and (w, h) == (WIDTH_PX, HEIGHT_PX)
+    assert png_size(out) == (WIDTH_PX, HEIGHT_PX)
+
+
+def text_heights(fig) -> list[tuple[str, float]]:
+    """Every visible text of the figure with its height in pixels once the image is shown 480 px wide."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    scale = PREVIEW_PX / (fig.get_figwidth() * fig.dpi)
+    return [(t.get_text(), t.get_window_extent(renderer).height * scale) for t in fig.findobj(Text)
+            if t.get_visible() and t.get_text().strip()]
+
+
+def test_every_text_is_readable_at_slacks_480_px_preview():
+    import matplotlib.pyplot as plt
+
+    sc = Scenario("stall", samples=600, stall_at_s=300)
+    obs = simulate(sc).observations
+    for o in obs:
+        o["gpus"] = [{"index": i, "util": 50.0, "mem_used_mb": 70_000.0, "holders": ["extract"]} for i in range(8)]
+    fig = draw(obs, stage="extract", events=[{"kind": "verdict", "t": obs[-5]["t"], "data": {"to": "stalled"}}])
+    try:
+        heights = text_heights(fig)
+    finally:
+        plt.close(fig)
+    assert len(heights) > 20
+    small = [(t, round(h, 1)) for t, h in heights if h < MIN_TEXT_PX]
+    assert not small, small
+
+
+def test_the_stall_is_marked_where_the_stored_event_says_and_a_finished_chart_projects_nothing():
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+
+    obs = simulate(Scenario("stall", samples=600, stall_at_s=300)).observations
+    at = obs[len(obs) // 2]["t"] + 17.0  # not on a tick: only the stored event can put it there
+    fig = draw(obs, stage="extract", events=[{"kind": "verdict", "t": at, "data": {"to": "stalled"}}],
+               verdict={"verdict": "stalled", "eta_s": None})
+    try:
+        ax = fig.axes[0]
+        xs = [line.get_xdata()[0] for line in ax.get_lines()
+              if line.get_color() == "#c0392b" and len(set(line.get_xdata())) == 1]
+        marks = [x.timestamp() if hasattr(x, "timestamp") else mdates.num2date(x).timestamp() for x in xs]
+        assert marks == [pytest.approx(at, abs=1e-3)]
+        assert ax.get_ylim()[0] == 0 and fig.axes[1].get_ylim()[0] == 0  # progress and rate from 0
+    finally:
+        plt.close(fig)
+    done = draw(obs, stage="extract", verdict={"verdict": "done", "eta_s": 0.0, "final": True})
+    running = draw(obs, stage="extract", verdict={"verdict": "progressing", "eta_s": 600.0, "eta_low_s": 500.0,
+                                                  "eta_high_s": 700.0})
+    try:
+        assert "projected (ETA)" not in done.axes[0].get_legend_handles_labels()[1]
+        assert "projected (ETA)" in running.axes[0].get_legend_handles_labels()[1]
+        assert "time (UTC)" in [a.get_xlabel() for a in done.axes]
+    finally:
+        plt.close(done)
+        plt.close(running)
 
 
 def test_no_observations_still_draws(tmp_path):
