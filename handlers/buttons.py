@@ -16,6 +16,7 @@ from handlers.render.blocks import (
     ACTION_CONFIRM,
     ACTION_KEEP,
     ACTION_LATER,
+    ACTION_TRAIN,
     status_blocks,
     text_blocks,
 )
@@ -25,7 +26,8 @@ from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE
 
 STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # the status post's buttons
 LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later",
-          ACTION_CONFIRM: "Confirm", ACTION_KEEP: "Keep it running", ACTION_SNOOZE: "Snooze 1 h"}
+          ACTION_CONFIRM: "Confirm", ACTION_KEEP: "Keep it running", ACTION_SNOOZE: "Snooze 1 h",
+          ACTION_TRAIN: "Start training"}
 
 
 def register(app, *, controller_factory, ws) -> None:
@@ -52,7 +54,13 @@ def register(app, *, controller_factory, ws) -> None:
                                              note=f"{LABELS.get(action_id, action_id)}: {moot}")
                 return respond(text=f"{moot}. {text}", blocks=blocks, response_type="ephemeral",
                                replace_original=False)
-            if action_id == ACTION_CONFIRM:
+            if action_id == ACTION_TRAIN:
+                from handlers.slash import train_later
+
+                ctl.store.audit(user=f"slack:{user}", channel=channel, action="train", outcome="accepted")
+                threading.Thread(target=train_later, args=(controller_factory, user, respond), daemon=True).start()
+                result = "verifying sample files, then starting training…"
+            elif action_id == ACTION_CONFIRM:
                 ctl.store.audit(user=f"slack:{user}", channel=channel, action=_describe(action), outcome="confirmed")
                 threading.Thread(target=_stop_later, args=(controller_factory, action, user, respond),
                                  daemon=True).start()  # the grace period is far longer than Slack's 3 s
@@ -116,6 +124,10 @@ def meaningless(ctl, action_id: str, action: dict) -> str | None:
         return f"auto-start is already armed (it is {step})"
     if action_id == ACTION_AUTOSTART and step in (TRAINING, TRAINING_DONE):
         return f"training already ran in this run (auto-start is {step})"
+    if action_id == ACTION_TRAIN:
+        train = ctl.status(sample_if_unmonitored=False).stages.get("train")
+        if train is not None and train.running:
+            return "training is already running"
     if action_id == ACTION_CONFIRM:
         stage = str(_value(action).get("stage"))
         st = ctl.status(sample_if_unmonitored=False).stages.get(stage)

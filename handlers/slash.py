@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import difflib
-import threading
 
 from handlers.auth import MUTATING, redact, refusal
-from handlers.render.blocks import confirm_blocks, status_blocks, text_blocks
+from handlers.render.blocks import confirm_blocks, status_blocks, text_blocks, train_blocks
 from handlers.render.views import (
     SLASH,
     ago,
@@ -28,7 +27,7 @@ SUBCOMMANDS = {  # usage -> what it answers; the help text, the docs test and th
     "gpus": "GPU utilization and memory, and which stage holds them",
     "chart [STAGE]": "a chart of the stage (default: the one running) posted in the run's thread",
     "logs STAGE": "the last lines of a stage's log, secrets redacted",
-    "train": "start training now — refused with the numbers until extraction is verified complete",
+    "train": "start training now (asks to confirm) — refused with the numbers until extraction is verified complete",
     "autostart on|off": "arm or cancel training's automatic start when extraction is verified complete",
     "later 30m|1h|eta": "post the status again after a while, or when the ETA is due",
     "stop STAGE": "stop server, extract or train (asks to confirm)",
@@ -65,11 +64,9 @@ def register(app, *, controller_factory, ws) -> None:
                 ctl.store.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="refused", detail=why)
                 return ack(text=why, blocks=text_blocks(f":no_entry: {why}"))
             if verb == "train" and _complete_cheaply(ctl):
-                # Verification opens sample files: too slow for Slack's 3 s, so it runs after the ack.
-                threading.Thread(target=_train_later, args=(controller_factory, user, respond), daemon=True).start()
-                ctl.store.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="accepted")
-                text = "extraction looks complete: verifying sample files, then starting training…"
-                return ack(text=text, blocks=text_blocks(text))
+                # asked to confirm with Slack's dialog; verification (too slow for Slack's 3 s) runs after the click
+                text = "extraction looks complete. Start training? (its sample files are verified first)"
+                return ack(text=text, blocks=train_blocks(text, ctl.state_version()))
             try:
                 text, blocks = answer(ctl, verb, args, user=user)
             except UserError as exc:
@@ -90,7 +87,8 @@ def _complete_cheaply(ctl) -> bool:
     return completion.check(ctl.ws, ctl.store, run_verify=False).complete
 
 
-def _train_later(controller_factory, user: str, respond) -> None:
+def train_later(controller_factory, user: str, respond) -> None:
+    """Verify, then start training (after a button's ack); the outcome and its actor go to the channel."""
     ctl = controller_factory()
     try:
         text, _ = answer(ctl, "train", [], user=user)

@@ -22,6 +22,7 @@ from pipeline.status import RunStatus, StageStatus
 
 SECTION_LIMIT = 3000
 ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER = "eagle3_autostart_on", "eagle3_autostart_off", "eagle3_later"
+ACTION_TRAIN = "eagle3_train"
 
 
 def bar(pct: float, width: int = 20) -> str:
@@ -210,3 +211,13 @@ def blocks_text(blocks: list, fallback: str = "") -> str:
         elif kind == "header":
             out.append((b.get("text") or {}).get("text", ""))
     return plain_times("\n".join(x for x in out if x) or fallback)
+
+
+def train_blocks(text: str, version: str) -> list:
+    """`/eagle3 train` on a run whose extraction looks complete: a Start training button behind Slack's
+    confirmation (the sample files are verified after the click, then training starts)."""
+    button = ButtonElement(text="Start training", action_id=ACTION_TRAIN, value=json.dumps({"v": version}),
+                           style="primary", confirm=confirm(
+                               "Start training?", "Sample files are verified first; then training starts on its "
+                               "GPUs, in this run. The SGLang server must have released them.", "Start training"))
+    return text_blocks(text) + [ActionsBlock(elements=[button]).to_dict()]

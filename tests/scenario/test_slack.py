@@ -67,7 +67,7 @@ def test_eta_answers_the_eta_and_stuck_the_evidence(slack):
     eta, stuck = command(slack, "eta").json()["text"], command(slack, "stuck").json()["text"]
     assert eta != stuck
     assert eta.startswith("*extract*: dead, 40.0 % (40 / 100)") and "ETA" not in eta  # a dead stage has none
-    assert "verdict: dead" in stuck and "exited early at 40.0 %" in stuck
+    assert "*verdict* dead" in stuck and "• exited early at 40.0 %" in stuck and "  - " not in stuck
 
 
 def test_chart_is_asked_for_and_says_where_it_will_appear(slack):
@@ -217,9 +217,15 @@ def test_show_logs_is_redacted(slack, monkeypatch):
 def test_train_on_a_complete_looking_run_verifies_after_the_ack(tmp_path):
     # The stand-in writes junk sample files: only the verification after the ack can catch that.
     with slack_env(tmp_path, "20", "0", extra="[handoff]\nverify_sample = 5\n") as env:
-        assert "verifying sample files" in command(env, "train").json()["text"]
-        later = wait_for(lambda: env["fake"].of("response_url"), what="the deferred answer")[0]
-        assert "refusing to start training" in later["text"] and "verify found" in later["text"]
+        asked = command(env, "train").json()
+        button = next(e for b in asked["blocks"] if b["type"] == "actions" for e in b["elements"])
+        assert "Start training?" in asked["text"] and button["action_id"] == "eagle3_train"
+        assert button["confirm"]["title"]["text"] == "Start training?"  # Slack's own dialog before the click
+        assert click(env, "eagle3_train", button["value"]).status_code == 200
+        later = wait_for(lambda: [p for p in env["fake"].of("response_url") if "refusing" in p.get("text", "")],
+                         what="the deferred answer")[0]
+        assert later["text"].startswith("<@UOK> `/eagle3 train`: refusing to start training") and "verify found" in \
+            later["text"] and later["response_type"] == "in_channel"
 
 
 def test_acks_never_wait_for_a_slow_rate_limiting_slack(slack):
