@@ -53,6 +53,8 @@ def run_demo(slack_channel: str | None = None, *, regenerate: bool = False) -> i
     root = Path(tempfile.mkdtemp(prefix="eagle3-demo-"))
     log = root / "demo.log"
     logging.basicConfig(filename=log, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+    for name in ("httpx", "httpcore", "urllib3", "apscheduler"):  # not a line per probe request (as under serve)
+        logging.getLogger(name).setLevel(logging.WARNING)
     _say(f"eagle3 demo — workspace {root} (stage logs and details: {log})")
     if regenerate:
         _say("0. preparing 300 ShareGPT conversations (chat.jsonl) with the toy target's tokenizer and chat template: "

@@ -75,6 +75,7 @@ def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_runnin
     assert steps == list(range(1, TRAIN_STEPS + 1))
     assert re.search(r"time per stage: .*train \d+ s", out), out  # how long is the benchmark's business, not a test's
     assert "Traceback" not in out and "xoxb-demo" not in out
+    assert " httpx " not in (Path(ws) / "demo.log").read_text()  # no line per probe request (issue 35)
     posts, updates = fake.of("chat.postMessage"), fake.of("chat.update")
     status_ts = f"1790000000.{fake.calls.index(('chat.postMessage', posts[0])) + 1:06d}"
     assert "*Run " in str(posts[0]["blocks"]) and updates and {u["ts"] for u in updates} == {status_ts}
