@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import drill_harness as harness
+from tests.support import drill_harness as harness
 from bench.common import RESULTS, machine, write_block
 
 

@@ -88,7 +88,7 @@ def _slack_requests(workspaces: dict[int, Workspace], rounds: int = 300) -> dict
 
     import httpx
 
-    from bench.fake_slack import FakeSlack
+    from tests.support.fake_slack import FakeSlack
     from bot.app import build_app, serve_http
 
     logging.getLogger("eagle3.app").setLevel(logging.WARNING)

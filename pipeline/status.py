@@ -4,7 +4,7 @@
 carries only its process fields; a started one adds `stop_requested` and its verdict fields (four
 while no verdict of this process is stored yet, all of them once one is). Readings the verdict
 quotes (`gpus`, `server`, `disk`, `progress`) stay in the observation format (dicts whose fields may
-be missing): they are the spine's, documented in ARCHITECTURE.md. Unknown is None, never zero.
+be missing): they are the spine's, documented in docs/architecture.md. Unknown is None, never zero.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ when a new run opens, the last run's handoff is history and auto-start reads `of
 from __future__ import annotations
 
 import re
-import socket
 import time
 from enum import StrEnum
 
@@ -19,6 +18,7 @@ from pipeline.config import Workspace
 from pipeline.errors import UserError
 from pipeline.handoff import completion
 from pipeline.observe.done import finished
+from pipeline.stages.host import port_free
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.stages.supervisor import NO_RUNNER, Supervisor, is_job, launched, who
 from pipeline.store import Store
@@ -82,15 +82,6 @@ def handoff_state(store: Store) -> dict | None:
 
 def _shape(reason: str) -> str:
     return re.sub(r"[\d,.]+", "#", reason)
-
-
-def port_free(port: int) -> bool:
-    """True when nothing accepts connections on 127.0.0.1:port."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return False
-    except OSError:
-        return True
 
 
 class Handoff:

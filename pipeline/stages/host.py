@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,15 @@ from pipeline.config import RUN_ENV, Workspace, without_secrets
 CREATE_TIME_TOLERANCE_S = 0.001
 BOOT_RELATIVE_BELOW = 1e9  # a recorded start below this is seconds since boot; above, a wall-clock create_time
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def port_free(port: int) -> bool:
+    """True when nothing accepts connections on 127.0.0.1:port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return False
+    except OSError:
+        return True
 
 
 def start_time(pid: int) -> float | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import drill_harness as harness
+from tests.support import drill_harness as harness
 
 pytestmark = pytest.mark.slow
 

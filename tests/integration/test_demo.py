@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.fake_slack import FakeSlack
+from tests.support.fake_slack import FakeSlack
 from pipeline.toy.demo_workspace import TRAIN_STEPS
 from tests.conftest import ROOT
 

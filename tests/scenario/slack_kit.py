@@ -13,7 +13,7 @@ from urllib.parse import urlencode
 
 import httpx
 
-from bench.fake_slack import FakeSlack
+from tests.support.fake_slack import FakeSlack
 from bot.app import build_app, serve_http
 from pipeline.config import load_workspace
 from pipeline.controller import Controller

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.fake_slack import FakeSlack
+from tests.support.fake_slack import FakeSlack
 from bot.app import slack_client
 from bot.notifier import Notifier
 from pipeline.config import Workspace, parse_config

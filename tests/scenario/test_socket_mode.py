@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench.fake_slack import FakeSlack
+from tests.support.fake_slack import FakeSlack
 from bot.service import Inputs
 from pipeline.config import load_workspace
 from pipeline.store import Store

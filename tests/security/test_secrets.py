@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 
 import pytest
 
-from bench.fake_slack import FakeSlack
+from tests.support.fake_slack import FakeSlack
 from tests.conftest import ROOT, eagle3, fixture_argv, wait_for
 from tests.scenario.slack_kit import (
     click,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 PY = sys.executable
 CHANNEL = "C1"
@@ -230,7 +230,7 @@ def wait(predicate, timeout: float, interval: float = 0.25) -> bool:
 def kill9_serve(base: Path, *, trials: int, real_trainer_trials: int = 1, seed: int = 1) -> Tally:
     """Kill `eagle3 serve` with SIGKILL at random moments (2–4 times a trial), restart it each
     time, and let the last instance finish the handoff and drain the outbox."""
-    from bench.fake_slack import FakeSlack
+    from tests.support.fake_slack import FakeSlack
 
     tally, rng, started = Tally("kill -9 of eagle3 serve during extraction and handoff"), random.Random(seed), time.time()
     for trial in range(trials):
@@ -292,7 +292,7 @@ def kill9_serve(base: Path, *, trials: int, real_trainer_trials: int = 1, seed: 
 def server_crash(base: Path, *, trials: int, seed: int = 2) -> Tally:
     """The server exits abruptly after N requests; the restart policy brings it back, the client
     waits and resumes, an alert is posted, and no invalid file is left."""
-    from bench.fake_slack import FakeSlack
+    from tests.support.fake_slack import FakeSlack
 
     tally, rng, started = Tally("SGLang (toy) server crash mid-extraction"), random.Random(seed), time.time()
     for trial in range(trials):
@@ -348,7 +348,7 @@ def can_mount() -> bool:
 def disk_full(base: Path, *, trials: int) -> Tally:
     """Extraction's output on a 1 MB tmpfs: it stops with a clear error, an alert names the
     cause, nothing partial is counted; after the filesystem grows, a restart completes."""
-    from bench.fake_slack import FakeSlack
+    from tests.support.fake_slack import FakeSlack
 
     tally, started = Tally("disk full mid-extraction (1 MB tmpfs, then grown)"), time.time()
     for trial in range(trials):
@@ -411,7 +411,7 @@ def slack_outage(base: Path, *, trials: int, seed: int = 4) -> Tally:
     """Real HTTP to the fake Slack and a real store, on a simulated clock: 60 s of 500s while
     alerts, handoff steps and plain messages pile up on two channels; afterwards every message
     arrives once, in order per channel."""
-    from bench.fake_slack import FakeSlack
+    from tests.support.fake_slack import FakeSlack
     from bot.app import slack_client
     from bot.notifier import Notifier
     from pipeline.config import Workspace, parse_config
