@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.support import drill_harness as harness
 from bench.common import RESULTS, machine, write_block
+from tests.support import drill_harness as harness
 
 
 def main() -> int:

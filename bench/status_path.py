@@ -88,8 +88,8 @@ def _slack_requests(workspaces: dict[int, Workspace], rounds: int = 300) -> dict
 
     import httpx
 
-    from tests.support.fake_slack import FakeSlack
     from bot.app import build_app, serve_http
+    from tests.support.fake_slack import FakeSlack
 
     logging.getLogger("eagle3.app").setLevel(logging.WARNING)
     secret = "bench-secret"

@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.fake_slack import FakeSlack
 from pipeline.toy.demo_workspace import TRAIN_STEPS
 from tests.conftest import ROOT
+from tests.support.fake_slack import FakeSlack
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,11 @@ from urllib.parse import urlencode
 
 import httpx
 
-from tests.support.fake_slack import FakeSlack
 from bot.app import build_app, serve_http
 from pipeline.config import load_workspace
 from pipeline.controller import Controller
 from tests.conftest import fixture_argv, status_json, wait_for
+from tests.support.fake_slack import FakeSlack
 
 SECRET = "test-signing-secret"
 

@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from tests.support.fake_slack import FakeSlack
 from bot.app import slack_client
 from bot.notifier import Notifier
 from pipeline.config import Workspace, parse_config
 from pipeline.status import RunStatus
 from pipeline.store import Store
+from tests.support.fake_slack import FakeSlack
 
 pytestmark = pytest.mark.timeout(60)
 

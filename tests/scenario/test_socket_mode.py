@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from tests.support.fake_slack import FakeSlack
 from bot.service import Inputs
 from pipeline.config import load_workspace
 from pipeline.store import Store
 from tests.conftest import fixture_argv, wait_for
 from tests.scenario.fake_socket import FakeSocketMode
+from tests.support.fake_slack import FakeSlack
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,7 +12,6 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.support.fake_slack import FakeSlack
 from tests.conftest import ROOT, eagle3, fixture_argv, wait_for
 from tests.scenario.slack_kit import (
     click,
@@ -23,6 +22,7 @@ from tests.scenario.slack_kit import (
     value_of,
     wsgi_post,
 )
+from tests.support.fake_slack import FakeSlack
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -411,11 +411,11 @@ def slack_outage(base: Path, *, trials: int, seed: int = 4) -> Tally:
     """Real HTTP to the fake Slack and a real store, on a simulated clock: 60 s of 500s while
     alerts, handoff steps and plain messages pile up on two channels; afterwards every message
     arrives once, in order per channel."""
-    from tests.support.fake_slack import FakeSlack
     from bot.app import slack_client
     from bot.notifier import Notifier
     from pipeline.config import Workspace, parse_config
     from pipeline.store import Store
+    from tests.support.fake_slack import FakeSlack
 
     tally, rng, started = Tally("Slack answering 500 for a minute"), random.Random(seed), time.time()
     for trial in range(trials):
