@@ -128,7 +128,7 @@ def meaningless(ctl, action_id: str, action: dict) -> str | None:
         train = ctl.status(sample_if_unmonitored=False).stages.get("train")
         if train is not None and train.running:
             return "training is already running"
-    if action_id == ACTION_CONFIRM:
+    if action_id == ACTION_CONFIRM and _value(action).get("verb") == "stop":  # a restart starts it either way
         stage = str(_value(action).get("stage"))
         st = ctl.status(sample_if_unmonitored=False).stages.get(stage)
         if st is None or not st.running:

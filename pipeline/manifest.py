@@ -89,8 +89,9 @@ def summarize(out_dir: Path) -> dict:
             "layers": as_int("layers"), "hidden_size": as_int("hidden_size"),
             # answers in memory at the client, and its budget (absent from manifests before issue 17)
             "inflight_bytes": as_int("inflight_bytes"), "max_inflight_bytes": as_int("max_inflight_bytes"),
-            # the done samples' request latencies per length bin, for the ETA's cost shape (pipeline.observe.eta)
-            "latency_moments": latency.to_json() if latency is not None and latency.samples else None}
+            # the done samples' request latencies: raw sums per length bin (LATENCY_SUMS, in order), from which
+            # pipeline/observe/latency.py builds the ETA's cost shape; None before latencies were kept
+            "latency_bins": latency}
 
 
 # floor(log2(tokens)) in SQL (SQLite's math functions are optional): the power-of-two length bin
@@ -102,15 +103,20 @@ _PROFILE_SQL = (
     "FROM samples WHERE status = 'done' AND latency_s IS NOT NULL AND tokens > 0 GROUP BY b")
 
 
-def _latency_profile(conn: sqlite3.Connection):
-    """The `LatencyProfile` of the done samples; None for a manifest from before latencies were kept."""
-    from pipeline.observe.latency import LatencyMoments, LatencyProfile
+# what each bin's sums are, in the order `summarize` gives them (with s = latency / tokens: the count, Σ1/tokens,
+# Σ1/tokens², Σtokens, Σtokens², Σs, Σs/tokens, Σs·tokens = Σlatency, Σs²); pipeline/observe/latency.py's moments
+LATENCY_SUMS = ("samples", "sum_inv", "sum_inv_sq", "sum_tokens", "sum_tokens_sq",
+                "sum_s", "sum_s_inv", "sum_s_tokens", "sum_s_sq")
 
+
+def _latency_profile(conn: sqlite3.Connection) -> dict[int, list[float]] | None:
+    """{bin's lower bound in tokens: the LATENCY_SUMS of its done samples}; None for a manifest from before
+    latencies were kept."""
     try:
         rows = conn.execute(_PROFILE_SQL).fetchall()
     except sqlite3.OperationalError:  # no latency_s column
         return None
-    return LatencyProfile({1 << int(b): LatencyMoments(*(float(v) for v in vals)) for b, *vals in rows})
+    return {1 << int(b): [float(v) for v in vals] for b, *vals in rows} or None
 
 
 def read_done(out_dir: Path) -> tuple[dict[str, str], list[int]]:

@@ -14,12 +14,13 @@ observed its end and judged it done — exit 0, progress at a known total, its `
 
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import Workspace
+from pipeline.manifest import summarize
 from pipeline.observe.done import source_of
-from pipeline.observe.probes.progress import read_manifest
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.store import Store
 
@@ -60,8 +61,16 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     if source_of(ws, "extract") != "manifest":
         return _by_final_verdict(c, store, proc)
     out = ws.resolve(ws.stage("extract").out)
-    reading = read_manifest(out, clock=store.clock)
-    prog = reading.value or {}
+    prog, unreadable = {}, None
+    if out is None:
+        unreadable = "stages.extract.out is not configured"
+    else:
+        try:
+            prog = summarize(out)
+        except FileNotFoundError as exc:
+            unreadable = str(exc)
+        except (OSError, sqlite3.Error) as exc:
+            unreadable = f"{out}/manifest.sqlite: {exc}"
     verdict = store.verdict("extract") or {}
     c.done, c.failed, c.total = prog.get("done"), prog.get("failed"), prog.get("total")
     c.eta_s = verdict.get("eta_s") if verdict.get("proc_id") == proc["id"] else None
@@ -70,8 +79,8 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     elif proc["state"] != StageState.EXITED or proc["exit_code"] != 0:
         how = proc["reason"] or proc["state"]
         c.missing.append(f"the last extraction run did not exit 0 ({how})")
-    if reading.unknown:
-        c.missing.append(f"manifest unreadable: {reading.unknown}")
+    if unreadable:
+        c.missing.append(f"manifest unreadable: {unreadable}")
     elif c.total is None or c.done is None:
         c.missing.append("the manifest has no totals yet")
     else:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pipeline.manifest import LATENCY_SUMS
 from pipeline.observe.costfit import TERMS, CostModel, NormalSums, fit_nonnegative
 
-MOMENT_KEYS = ("samples", "sum_inv", "sum_inv_sq", "sum_tokens", "sum_tokens_sq",
-               "sum_s", "sum_s_inv", "sum_s_tokens", "sum_s_sq")
+MOMENT_KEYS = LATENCY_SUMS  # the manifest's per-bin sums, in its order
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,13 @@ class LatencyProfile:
 
     def to_json(self) -> dict:
         return {str(k): m.to_json() for k, m in sorted(self.bins.items())}
+
+    @staticmethod
+    def from_bins(bins: dict | None) -> LatencyProfile | None:
+        """The profile of a manifest's raw per-bin sums (`manifest.summarize`'s latency_bins), or None."""
+        if not bins:
+            return None
+        return LatencyProfile({int(b): LatencyMoments(*(float(v) for v in vals)) for b, vals in bins.items()})
 
     @staticmethod
     def from_json(obj) -> LatencyProfile | None:

@@ -13,17 +13,9 @@ import shutil
 from pathlib import Path
 
 from pipeline.draft.capture import AUX_IDS_EAGLE_CONFIG
+from pipeline.draft.format import ARCH, NAMES
 from pipeline.errors import UserError
 from pipeline.fileperm import honour_umask
-
-ARCH = "LlamaForCausalLMEagle3"  # torch-free here: the service reads draft_note after training
-
-# trainer module name → SGLang tensor name (identical by construction; listed so nothing extra slips out)
-NAMES = ("fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-         "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
-         "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-         "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-         "norm.weight", "lm_head.weight", "d2t", "t2d")
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -154,7 +154,7 @@ def test_parse_workers_write_what_the_client_threads_write(toy, tmp_path):
         lat = [r[0] for r in conn.execute("SELECT latency_s FROM samples WHERE status = 'done'")]
         conn.close()
         assert len(lat) == 39 and all(x is not None and x > 0 for x in lat), lat
-        prof = LatencyProfile.from_json(summarize(tmp_path / w)["latency_moments"])
+        prof = LatencyProfile.from_bins(summarize(tmp_path / w)["latency_bins"])
         assert prof.samples == 39 and abs(sum(m.sum_s_tokens for m in prof.bins.values()) - sum(lat)) < 1e-6
 
 

@@ -118,6 +118,18 @@ ROOMS = {
     "handlers/render": ("handlers.slash", "handlers.buttons", "handlers.home"),
 }
 ROOM_FILES = [str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").glob("*.py")]
+# cycles broken once (issue 36), forbidden again: module → what it may not import
+NO_CYCLES = {
+    "pipeline/draft/sglang.py": ("pipeline.train.export",),  # the format is pipeline/draft/format.py
+    "pipeline/manifest.py": ("pipeline.observe",),  # it returns raw latency bins; observe/ builds the profile
+    "pipeline/handoff/completion.py": ("pipeline.observe.probes",),  # it calls manifest.summarize itself
+}
+
+
+@pytest.mark.parametrize("path", sorted(NO_CYCLES))
+def test_the_broken_cycles_stay_broken(path):
+    bad = sorted(m for m in imported_modules(ROOT / path) if any(m == f or m.startswith(f + ".") for f in NO_CYCLES[path]))
+    assert bad == [], path
 
 
 @pytest.mark.parametrize("room", sorted(ROOMS))

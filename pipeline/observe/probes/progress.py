@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from pipeline.manifest import summarize
+from pipeline.observe.latency import LatencyProfile
 from pipeline.observe.probes import Reading, known, unknown
 from pipeline.stages.logfile import tail_lines
 
@@ -19,11 +20,20 @@ def read_manifest(out_dir: Path | None, *, clock=time.time, stage: str = "extrac
     if out_dir is None:
         return unknown(f"stages.{stage}.out is not configured", clock=clock)
     try:
-        return known(summarize(out_dir), clock=clock)
+        return known(with_latency_profile(summarize(out_dir)), clock=clock)
     except FileNotFoundError as exc:
         return unknown(str(exc), clock=clock)
     except (OSError, sqlite3.Error) as exc:
         return unknown(f"{out_dir}/manifest.sqlite unreadable: {exc}", clock=clock)
+
+
+def with_latency_profile(summary: dict) -> dict:
+    """The manifest's summary as an observation carries it: its raw latency sums as `latency_moments` (the
+    profile's JSON, pipeline/observe/latency.py), None before latencies were kept."""
+    out = dict(summary)
+    profile = LatencyProfile.from_bins(out.pop("latency_bins", None))
+    out["latency_moments"] = profile.to_json() if profile is not None and profile.samples else None
+    return out
 
 
 OWN_FIELDS = {"step": "step", "total": "total_steps", "loss": "loss"}  # this trainer's progress.jsonl

@@ -28,7 +28,7 @@ def test_the_manifest_profile_is_the_sum_of_its_samples(tmp_path):
     m.record(idx=5, sample_id=None, status="failed", tokens=50, nbytes=None, attempts=3, error="x", now=1.0)
     m.record(idx=6, sample_id=None, status="done", tokens=60, nbytes=1, attempts=1, error=None, now=1.0)  # untimed
     m.close()
-    got = LatencyProfile.from_json(summarize(tmp_path)["latency_moments"])
+    got = LatencyProfile.from_bins(summarize(tmp_path)["latency_bins"])
     want = LatencyProfile()
     for n, lat in samples:
         want += LatencyProfile.one(n, lat)
@@ -43,9 +43,9 @@ def test_a_manifest_from_before_latencies_reads_as_unknown_then_gains_the_column
     conn.execute("INSERT INTO samples (idx, status, tokens) VALUES (0, 'done', 10)")
     conn.commit()
     conn.close()
-    assert summarize(tmp_path)["latency_moments"] is None  # unknown, not zero
+    assert summarize(tmp_path)["latency_bins"] is None  # unknown, not zero
     Manifest(tmp_path).close()  # the writer (a resumed run) adds the column and keeps the rows
-    assert summarize(tmp_path)["done"] == 1 and summarize(tmp_path)["latency_moments"] is None
+    assert summarize(tmp_path)["done"] == 1 and summarize(tmp_path)["latency_bins"] is None
 
 
 @pytest.mark.parametrize("bad", [None, [], {"512": {"samples": 1}}, {"x": LatencyMoments.one(5, 1.0).to_json()},
