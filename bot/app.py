@@ -18,6 +18,7 @@ from slack_sdk.http_retry.builtin_handlers import RateLimitErrorRetryHandler
 from slack_sdk.signature import SignatureVerifier
 
 from handlers import buttons, home, slash
+from handlers.auth import guard
 from pipeline.config import Workspace
 from pipeline.controller import Controller
 
@@ -68,6 +69,7 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
         return Controller(workspace=ws, store=store)
 
     _warm_authorization(app)
+    app.middleware(guard(ws, controller_factory))  # authorization and audit, in front of every listener
     slash.register(app, controller_factory=controller_factory, ws=ws)
     buttons.register(app, controller_factory=controller_factory, ws=ws)
     home.register(app, controller_factory=controller_factory)

@@ -38,3 +38,59 @@ def redact(text: str, extra: list[str] = (), patterns: list[str] = ()) -> str:
     for pattern in patterns:
         text = re.sub(pattern, "[redacted]", text)
     return text
+
+
+# Buttons anyone in an allowed channel may press: reading, a reminder, "keep it running". Every other action,
+# a listener added later included, is mutating until said otherwise: a new button is refused for a stranger.
+READ_ONLY_ACTIONS = frozenset({"eagle3_later", "eagle3_show_logs", "eagle3_keep"})
+
+
+def request_facts(body: dict) -> tuple[str, str, str | None, str, bool]:
+    """(kind, user, channel, what, mutating) of a Slack request: a slash command, a button, or an event."""
+    from handlers.slash import parse  # the verbs' grammar is the slash listener's
+
+    if "command" in body:
+        verb, _ = parse(body.get("text", ""))
+        return "command", body.get("user_id", "?"), body.get("channel_id"), verb, verb in MUTATING
+    if body.get("type") == "block_actions":
+        from handlers.buttons import (
+            LABELS,  # audited by the button's label, as its listener audits it
+        )
+
+        action = (body.get("actions") or [{}])[0].get("action_id", "?")
+        return ("action", (body.get("user") or {}).get("id", "?"), (body.get("channel") or {}).get("id"),
+                LABELS.get(action, action), action not in READ_ONLY_ACTIONS)
+    event = body.get("event") or {}
+    return "event", event.get("user", "?"), event.get("channel"), event.get("type", body.get("type", "?")), False
+
+
+def guard(ws, controller_factory):
+    """Bolt global middleware: one authorization-and-audit step in front of every listener (commands, buttons,
+    App Home, and any registered later). A refusal is answered and audited here; the listener never runs."""
+    import threading
+
+    from slack_bolt import BoltResponse
+
+    from handlers.render.blocks import text_blocks
+
+    def middleware(body, ack, respond, next):  # noqa: A002 - Bolt injects `next` by name
+        kind, user, channel, what, mutating = request_facts(body)
+        # an event (App Home opened) is read-only and comes from the app's own DM, no channel of the allow-list
+        why = None if kind == "event" and not mutating else refusal(ws.config.slack, user=user, channel=channel,
+                                                                    mutating=mutating)
+        if why is None:
+            return next()
+        ctl = controller_factory()
+        try:
+            ctl.audit(user=f"slack:{user}", channel=channel, action=what, outcome="refused", detail=why)
+        finally:
+            ctl.close()
+        if kind == "command":
+            return ack(text=why, blocks=text_blocks(f":no_entry: {why}"))
+        if kind == "action":  # answered after the ack, never delaying it (Slack's 3 s)
+            threading.Thread(target=respond, kwargs={"text": why, "response_type": "ephemeral",
+                                                     "replace_original": False}, daemon=True).start()
+            return ack()
+        return BoltResponse(status=200, body="")
+
+    return middleware

@@ -8,7 +8,6 @@ import json
 import threading
 import time
 
-from handlers.auth import refusal
 from handlers.render.alerts import ACTION_LOGS, ACTION_SNOOZE
 from handlers.render.blocks import (
     ACTION_AUTOSTART,
@@ -41,14 +40,9 @@ def register(app, *, controller_factory, ws) -> None:
         channel = (body.get("channel") or {}).get("id")
         ctl = controller_factory()
         try:
-            why = refusal(ws.config.slack, user=user, channel=channel, mutating=action_id != ACTION_LATER)
-            if why:
-                ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS.get(action_id, action_id),
-                                outcome="refused", detail=why)
-                return respond(text=why, response_type="ephemeral", replace_original=False)
             moot = meaningless(ctl, action_id, action)
             if moot:  # drawn for a state that has passed: say so, with the state as it is now
-                ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS.get(action_id, action_id),
+                ctl.audit(user=f"slack:{user}", channel=channel, action=LABELS.get(action_id, action_id),
                                 outcome="stale", detail=moot)
                 text, blocks = status_blocks(ctl.status(sample_if_unmonitored=False), version=ctl.state_version(),
                                              note=f"{LABELS.get(action_id, action_id)}: {moot}")
@@ -57,11 +51,11 @@ def register(app, *, controller_factory, ws) -> None:
             if action_id == ACTION_TRAIN:
                 from handlers.slash import train_later
 
-                ctl.store.audit(user=f"slack:{user}", channel=channel, action="train", outcome="accepted")
+                ctl.audit(user=f"slack:{user}", channel=channel, action="train", outcome="accepted")
                 threading.Thread(target=train_later, args=(controller_factory, user, respond), daemon=True).start()
                 result = "verifying sample files, then starting training…"
             elif action_id == ACTION_CONFIRM:
-                ctl.store.audit(user=f"slack:{user}", channel=channel, action=_describe(action), outcome="confirmed")
+                ctl.audit(user=f"slack:{user}", channel=channel, action=_describe(action), outcome="confirmed")
                 threading.Thread(target=_stop_later, args=(controller_factory, action, user, respond),
                                  daemon=True).start()  # the grace period is far longer than Slack's 3 s
                 result = f"{_describe(action)} requested; I'll report when it is done"
@@ -70,7 +64,7 @@ def register(app, *, controller_factory, ws) -> None:
                     result = _act(ctl, action_id, action, user)
                 except UserError as exc:  # e.g. a snooze for a stage that does not exist
                     result = str(exc)
-            ctl.store.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
+            ctl.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
                             detail=result)
             text = f"<@{user}> chose *{LABELS[action_id]}* at {slack_time(time.time())}: {result}"
             if action_id in STATUS_ACTIONS:  # the status post stays the status post, with the outcome in it
@@ -95,10 +89,6 @@ def register(app, *, controller_factory, ws) -> None:
         from handlers.slash import answer
 
         stage = ((body.get("actions") or [{}])[0].get("value")) or "extract"
-        channel = (body.get("channel") or {}).get("id")
-        why = refusal(ws.config.slack, user=(body.get("user") or {}).get("id", "?"), channel=channel, mutating=False)
-        if why:
-            return respond(text=why, response_type="ephemeral", replace_original=False)
         ctl = controller_factory()
         try:
             text, blocks = answer(ctl, "logs", [stage], user="")
@@ -178,7 +168,7 @@ def _act(ctl, action_id: str, action: dict, user: str) -> str:
         until = ctl.snooze(action.get("value") or "extract", by=f"slack:{user}")
         return f"alerts about {action.get('value')} snoozed until {slack_time(until)}"
     if action_id == ACTION_LATER:
-        r = ctl.remind("eta" if (ctl.store.verdict("extract") or {}).get("eta_s") else "1h", by=f"slack:{user}")
+        r = ctl.remind("eta" if ctl.has_eta("extract") else "1h", by=f"slack:{user}")
         return f"reminder at {slack_time(r['due_at'])}"
     on = action_id == ACTION_AUTOSTART
     return autostart_text(on, ctl.autostart(on, by=f"slack:{user}"), cmd=SLASH)

@@ -49,8 +49,8 @@ def register(app, *, controller_factory) -> None:
         ctl = controller_factory()
         try:
             status = ctl.status(sample_if_unmonitored=False)
-            view = home_view(status, version=ctl.state_version(), events=ctl.store.recent_events(50),
-                             chart=ctl.store.get("chart:latest"))
+            view = home_view(status, version=ctl.state_version(), events=ctl.recent_events(50),
+                             chart=ctl.latest_chart())
         finally:
             ctl.close()
         client.views_publish(user_id=event["user"], view=view)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 
-from handlers.auth import MUTATING, redact, refusal
+from handlers.auth import MUTATING, redact
 from handlers.render.blocks import confirm_blocks, status_blocks, text_blocks, train_blocks
 from handlers.render.views import (
     SLASH,
@@ -18,7 +18,6 @@ from handlers.render.views import (
 )
 from pipeline.config import STAGE_NAMES
 from pipeline.errors import UserError
-from pipeline.stages.supervisor import who
 
 SUBCOMMANDS = {  # usage -> what it answers; the help text, the docs test and the app manifest use this
     "status": "the run at a glance: stage, verdict, progress, rate, ETA, GPUs, disk (also `/eagle3` alone)",
@@ -57,13 +56,9 @@ def register(app, *, controller_factory, ws) -> None:
     def eagle3(ack, command, respond):
         verb, args = parse(command.get("text", ""))
         user, channel = command.get("user_id", "?"), command.get("channel_id")
-        why = refusal(ws.config.slack, user=user, channel=channel, mutating=verb in MUTATING)
-        ctl = controller_factory()
+        ctl = controller_factory()  # who may ask this was checked by the app's middleware (handlers/auth.guard)
         try:
-            if why:
-                ctl.store.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="refused", detail=why)
-                return ack(text=why, blocks=text_blocks(f":no_entry: {why}"))
-            if verb == "train" and _complete_cheaply(ctl):
+            if verb == "train" and ctl.extraction_looks_complete():
                 # asked to confirm with Slack's dialog; verification (too slow for Slack's 3 s) runs after the click
                 text = "extraction looks complete. Start training? (its sample files are verified first)"
                 return ack(text=text, blocks=train_blocks(text, ctl.state_version()))
@@ -72,19 +67,13 @@ def register(app, *, controller_factory, ws) -> None:
             except UserError as exc:
                 text, blocks = str(exc), text_blocks(str(exc))
             if verb in MUTATING:
-                ctl.store.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="done", detail=text[:200])
+                ctl.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="done", detail=text[:200])
             ack(text=text, blocks=blocks)
         finally:
             ctl.close()
         if verb in ("autostart on", "autostart off") or (verb == "train" and text.startswith("training started")):
             # the channel learns who armed, cancelled or started what (the ack above is the asker's alone)
             respond(text=f"<@{user}> `/eagle3 {verb}`: {text}", response_type="in_channel", replace_original=False)
-
-
-def _complete_cheaply(ctl) -> bool:
-    from pipeline.handoff import completion
-
-    return completion.check(ctl.ws, ctl.store, run_verify=False).complete
 
 
 def train_later(controller_factory, user: str, respond) -> None:
@@ -146,7 +135,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
                     else server_holds_gpus_text(exc, cmd=SLASH))
             _, blocks = status_blocks(status, version=ctl.state_version())
             return text, text_blocks(text) + blocks[-1:]
-        text = f"training started ({who(proc)})"
+        text = f"training started ({ctl.owner(proc)})"
         return text, text_blocks(text)
     if verb.startswith("autostart"):
         on = verb.endswith("on")

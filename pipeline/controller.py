@@ -14,7 +14,7 @@ from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.observe.verdict import Verdict
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
-from pipeline.stages.supervisor import StopResult, Supervisor
+from pipeline.stages.supervisor import StopResult, Supervisor, who
 from pipeline.status import READING_KEYS, VERDICT_KEYS, RunStatus, StageStatus
 from pipeline.store import Store
 
@@ -187,6 +187,32 @@ class Controller:
             self.store.put("reminders", [*self.store.get("reminders", []), reminder])
             self.store.audit(user=by, channel=None, action=f"remind {spec}", outcome="done")
         return {**reminder, "monitor_running": self.monitor_running()}
+
+    def audit(self, *, user: str, channel: str | None, action: str, outcome: str, detail: str | None = None) -> None:
+        """Record who asked for what through chat, and how it ended (done, refused, stale, accepted…)."""
+        self.store.audit(user=user, channel=channel, action=action, outcome=outcome, detail=detail)
+
+    def extraction_looks_complete(self) -> bool:
+        """The cheap half of verified completion (the store and the manifest, no sample files opened): fast
+        enough to answer within Slack's 3 s; `start("train")` runs the whole check."""
+        return completion.check(self.ws, self.store, run_verify=False).complete
+
+    def latest_chart(self) -> dict | None:
+        """The last chart posted to Slack ({file_id, stage, t, path}), or None."""
+        return self.store.get("chart:latest")
+
+    def recent_events(self, limit: int = 50) -> list[dict]:
+        """The newest events, for App Home's timeline."""
+        return self.store.recent_events(limit)
+
+    def has_eta(self, stage: str) -> bool:
+        """True when the stage's stored verdict carries an ETA."""
+        return (self.store.verdict(stage) or {}).get("eta_s") is not None
+
+    @staticmethod
+    def owner(proc: dict) -> str:
+        """Who runs a stage process, in words ('pid 4242' or 'Slurm job 17 on gpu-017')."""
+        return who(proc)
 
     def request_chart(self, stage: str, *, by: str = "cli") -> dict:
         """Ask for a stage's chart in the run's thread: an event the notifier turns into an upload

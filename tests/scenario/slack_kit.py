@@ -45,7 +45,7 @@ def slack_env(tmp_path, *extract_args: str, extra: str = ""):
     server = serve_http(app, signing_secret=SECRET, port=0)
     try:
         yield {"url": f"http://127.0.0.1:{server.server_address[1]}/slack/events", "fake": fake, "cfg": cfg,
-               "wsgi": server.get_app()}
+               "wsgi": server.get_app(), "app": app}
     finally:
         server.shutdown()
         fake.close()

@@ -92,6 +92,25 @@ def test_arming_auto_start_is_posted_to_the_channel_with_its_actor(slack):
     assert posted[0]["text"].startswith("<@UOK> `/eagle3 autostart on`: ")
 
 
+def test_every_listener_passes_the_middleware_a_new_one_too(slack):
+    """Authorization and audit are one Bolt middleware (issue 36): a listener registered later, which checks
+    nothing itself, is refused for a stranger — it never runs — and the refusal is audited."""
+    ran = []
+
+    @slack["app"].action("eagle3_something_new")
+    def something_new(ack, body):
+        ack()
+        ran.append(body["user"]["id"])
+
+    assert click(slack, "eagle3_something_new", "{}", user="UNOPE").status_code == 200
+    refused = wait_for(lambda: slack["fake"].of("response_url"), what="the refusal")[0]
+    assert "<@UNOPE> is not allowed" in refused["text"] and refused["response_type"] == "ephemeral"
+    assert ("slack:UNOPE", "C1", "eagle3_something_new", "refused") in audit(slack["cfg"])
+    assert click(slack, "eagle3_something_new", "{}").status_code == 200
+    wait_for(lambda: ran == ["UOK"], what="the allowed user's click to reach the listener")
+    assert ran == ["UOK"]
+
+
 def test_a_typo_says_unknown_command_and_the_nearest_one(slack):
     text = command(slack, "statsu").json()["text"]
     assert text.startswith("unknown command `statsu` — did you mean `status`?") and "commands:" in text

@@ -155,3 +155,16 @@ def test_only_the_store_names_its_tables_and_keys(package):
                        if p != ROOT / "pipeline" / "store.py"
                        and any(s in p.read_text() for s in (".db[", ".db.execute", '"verdict:', "f\"verdict:")))
     assert offenders == []
+
+
+def test_handlers_go_through_the_controller():
+    """The controller is the only door (issue 36): a listener never reaches its store, the completion check or
+    the supervisor; it asks a controller verb (audit, extraction_looks_complete, latest_chart, owner, …)."""
+    offenders = {}
+    for path in (ROOT / "handlers").rglob("*.py"):
+        bad = sorted(m for m in imported_modules(path) if m.startswith(("pipeline.stages", "pipeline.handoff.completion",
+                                                                       "pipeline.store")))
+        bad += [".store."] if ".store." in path.read_text() else []
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = bad
+    assert offenders == {}
