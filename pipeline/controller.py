@@ -14,7 +14,7 @@ from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.observe.verdict import Verdict
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
-from pipeline.stages.supervisor import StopResult, Supervisor, who
+from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor, who
 from pipeline.status import READING_KEYS, VERDICT_KEYS, RunStatus, StageStatus
 from pipeline.store import Store
 
@@ -248,7 +248,7 @@ class Controller:
     def _grace(self, stage: str, grace_s: float | None) -> float:
         if grace_s is not None:
             return grace_s
-        return self.ws.config.handoff.server_stop_grace_s if stage == "server" else 30.0
+        return self.ws.config.handoff.server_stop_grace_s if stage == "server" else STOP_GRACE_S
 
     def last_tick(self) -> float | None:
         """Unix time of the monitor's last heartbeat (None: never, or `eagle3 serve` stopped cleanly)."""

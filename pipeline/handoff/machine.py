@@ -20,7 +20,7 @@ from pipeline.handoff import completion
 from pipeline.observe.done import finished
 from pipeline.stages.host import port_free
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
-from pipeline.stages.supervisor import NO_RUNNER, Supervisor, is_job, launched, who
+from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor, is_job, launched, who
 from pipeline.store import Store
 
 
@@ -64,6 +64,22 @@ TRAINING_DONE, TRAINING_FAILED = HandoffStep.TRAINING_DONE, HandoffStep.TRAINING
 CANCELLABLE = frozenset(s for s in HandoffStep if s.cancellable)
 FOLLOWED = frozenset(s for s in HandoffStep if s.followed)
 KEY = "handoff"
+# The handoff's edges, as the stages have theirs (pipeline/stages/states.py): `_set` refuses any other.
+# None is "no handoff of this run" (off, or a finished one of an earlier run): arming starts from it.
+_EDGES = {
+    (None, ARMED),
+    (ARMED, WAITING),  # the run's extraction is watched
+    (WAITING, STOPPING),  # extraction verified complete
+    (WAITING, CANCELLED),  # training was started by hand: auto-start stands down
+    (STOPPING, GPU_WAIT),  # the server stopped
+    (GPU_WAIT, LAUNCHING),  # the GPUs released
+    (LAUNCHING, TRAINING),  # training launched, exactly once
+    (TRAINING, TRAINING_DONE), (TRAINING, TRAINING_FAILED),
+    (TRAINING, CANCELLED),  # training stopped on request
+    *((s, CANCELLED) for s in CANCELLABLE),  # cancelled by an operator before training exists
+    *((s, FAILED) for s in FOLLOWED),  # a step could not be taken (its reason says why)
+}
+MAX_STEPS_PER_TICK = len(FOLLOWED) + 1  # a tick may walk the whole chain, never loop
 
 
 def handoff_state(store: Store) -> dict | None:
@@ -97,8 +113,12 @@ class Handoff:
         return handoff_state(self.store)
 
     def _set(self, step: str, reason: str, **fields) -> dict:
+        """Move the handoff to `step` (or restate it with a new reason), asserting the edge; one event."""
         with self.store.atomic():
             old = self.state() or {}
+            frm = HandoffStep(old["step"]) if old.get("step") else None
+            if frm != step and (frm, HandoffStep(step)) not in _EDGES:
+                raise AssertionError(f"illegal handoff transition {frm} -> {step}")
             run = old.get("run") or self.store.current_run()
             state = {**old, **fields, "run": run, "step": step, "reason": reason, "step_at": self.clock()}
             self.store.put(KEY, state)
@@ -140,7 +160,7 @@ class Handoff:
     def tick(self) -> None:
         """Advance at most a few steps; never raises into the monitor."""
         self._arm_new_run()
-        for _ in range(7):
+        for _ in range(MAX_STEPS_PER_TICK):
             state = self.state()
             if not state or state["step"] not in FOLLOWED:
                 return
@@ -271,7 +291,7 @@ class Handoff:
                 self._set(TRAINING, f"training launched ({who(started[0])})", train_proc_id=started[0]["id"])
                 return
         # Cancelled while the launch was under way: the operator was told no training would run.
-        self.sup.stop("train", grace_s=30.0)
+        self.sup.stop("train", grace_s=STOP_GRACE_S)
         self.store.add_event(kind="handoff", run_id=self.store.current_run(), data={
             "step": CANCELLED, "reason": f"training ({who(started[0])}) stopped: auto-start was "
                                          "cancelled while it was being launched"})

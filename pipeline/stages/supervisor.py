@@ -26,6 +26,7 @@ from pipeline.store import Store
 RUNNER_START_TIMEOUT_S = 10.0  # a row no live runner has started by then never will
 RUNNER_AWAIT_MAX_S = 60.0  # how long `start` waits for a live runner's pid
 KILL_WAIT_S = 5.0
+STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL after this long (the server has its own: [handoff] server_stop_grace_s)
 RUNNER_EXIT_WAIT_S = 2.0
 NO_RUNNER = "no runner took it up"  # a row whose service died before spawning its runner (not the command's fault)
 

@@ -236,3 +236,34 @@ def test_training_started_by_hand_while_armed_makes_the_handoff_stand_down(tmp_p
         assert state["step"] == "cancelled" and "started by hand" in state["reason"]
     finally:
         store.close()
+
+
+def test_the_handoff_moves_only_along_its_edge_table(tmp_path):
+    """One style for both machines (issue 36): the handoff has an edge table like the stages', and `_set` refuses
+    a step that is not an edge from the current one."""
+    from pipeline.handoff.machine import (
+        _EDGES,
+        ARMED,
+        CANCELLED,
+        TRAINING_DONE,
+        WAITING,
+        HandoffStep,
+    )
+
+    ws, store = used_ws(tmp_path)
+    try:
+        h = Handoff(ws=ws, store=store, supervisor=None)
+        assert h.arm(by="test")[1]["step"] == ARMED
+        with pytest.raises(AssertionError, match="illegal handoff transition armed -> training-done"):
+            h._set(TRAINING_DONE, "skipping the whole handoff")
+        assert h.state()["step"] == ARMED
+        h._set(WAITING, "watched")
+        h._set(WAITING, "a new reason, the same step")
+        assert h.cancel(by="test")[1]["step"] == CANCELLED
+    finally:
+        store.close()
+    reachable, frontier = set(), {None}
+    while frontier:
+        frontier = {b for a, b in _EDGES if a in frontier} - reachable
+        reachable |= frontier
+    assert reachable == set(HandoffStep)  # every step is reachable from off, and only through edges
