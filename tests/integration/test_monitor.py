@@ -103,3 +103,27 @@ def test_a_wedged_server_is_a_stall_although_its_requests_are_running(tmp_path):
         assert ex["observed_at"] - ex["last_progress_at"] <= 8 + 3 * 1 + 5, ex["reasons"]
     finally:
         eagle3("stop", "--all", "--grace", "2", "--config", str(cfg))
+
+
+@pytest.mark.timeout(150)
+def test_a_serve_log_over_a_live_server_holds_no_httpx_line_and_one_info_line_a_tick_at_most(tmp_path):
+    """Issue 35: under `eagle3 serve` the monitor probes the toy SGLang server over httpx every tick; the log keeps
+    the libraries at WARNING (a line per probe request would be ~17,000 journal lines a day) and eagle3's own INFO
+    lines stay at most one a tick."""
+    from pipeline.toy.demo_workspace import write_demo_workspace
+
+    cfg = write_demo_workspace(tmp_path / "ws", samples=20)
+    assert eagle3("start", "server", "--config", str(cfg)).returncode == 0
+    try:
+        ticks = 12  # the demo workspace ticks every second
+        serve = subprocess.run([sys.executable, "-m", "bot.cli", "serve", "--config", str(cfg), "--max-ticks",
+                                str(ticks)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        eagle3("stop", "--all", "--grace", "2", "--config", str(cfg))
+    log = serve.stderr
+    assert serve.returncode == 0, log
+    st = (cfg.parent / ".eagle3" / "logs" / "server.log").read_text()
+    assert "listening on" in st  # the probes had a live server to talk to
+    assert "httpx" not in log and "HTTP Request" not in log, log
+    infos = [line for line in log.splitlines() if line.startswith("INFO ")]
+    assert len(infos) <= ticks, infos
