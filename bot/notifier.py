@@ -163,7 +163,7 @@ class Notifier:
                 continue
             if self.clock() - alerted >= self.escalate_s and (store.get(f"snooze:{stage}") or 0) <= self.clock():
                 store.put(key, True)
-                text = escalation_text(stage, self.clock() - alerted, self.ws.config.slack.oncall_user_ids)
+                text = escalation_text(stage, self.clock() - alerted, self.ws.config.slack.oncall_user_ids, self.host)
                 store.enqueue(channel=self.channel, kind="alert", text=text,
                               blocks=text_blocks(text) + alert_buttons(stage))
 

@@ -158,7 +158,8 @@ def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
         result = f"{_describe(action)} failed: {exc}"
     finally:
         ctl.close()
-    respond(text=result, response_type="in_channel", replace_original=False)
+    respond(text=f"<@{user}> confirmed *{_describe(action)}*: {result}", response_type="in_channel",
+            replace_original=False)  # the channel learns what was done, and by whom
 
 
 def _act(ctl, action_id: str, action: dict, user: str) -> str:

@@ -65,9 +65,11 @@ def resolved_text(original: str, after_s: float) -> str:
     return f"~{head}~\n:white_check_mark: resolved after {ago(after_s)} (details in the thread)"
 
 
-def escalation_text(stage: str, since_s: float, oncall: list[str]) -> str:
+def escalation_text(stage: str, since_s: float, oncall: list[str], host: str = "") -> str:
     """The one reminder when a stage is still stalled."""
-    return f":rotating_light: {mention(oncall)} *{stage} is still stalled* after {ago(since_s)}; nobody has fixed it yet"
+    on = f" on `{host}`" if host else ""
+    return (f":rotating_light: {mention(oncall)} *{stage} is still stalled*{on} after {ago(since_s)}; "
+            "nobody has fixed it yet")
 
 
 def alert_buttons(stage: str) -> list:
