@@ -16,7 +16,7 @@ from tests.conftest import ROOT, eagle3, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 ARGS = ["--temperature", "0", "--max-new-tokens", "6", "--concurrency", "4"]
-STEPS = 40  # the end to end's training: enough for a draft that SGLang loads and that is measured
+STEPS = 24  # the end to end's training: enough for a draft that SGLang loads and that is measured
 
 
 def done_rows(parts: Path) -> int:
@@ -79,7 +79,7 @@ def test_from_a_chat_file_to_a_measured_draft(tmp_path):
     from pipeline.toy.demo_workspace import write_demo_workspace
     from tests.toy import ToyServer
 
-    cfg = write_demo_workspace(tmp_path / "ws", regenerate=True, samples=48, steps=STEPS)
+    cfg = write_demo_workspace(tmp_path / "ws", regenerate=True, samples=32, steps=STEPS)
     ws = load_workspace(cfg)
     ctl = Controller(workspace=ws)
     monitor = Monitor(ws=ws)
@@ -111,10 +111,10 @@ def test_from_a_chat_file_to_a_measured_draft(tmp_path):
         thread.join(timeout=30)
         ctl.stop_all(grace_s=2)
         ctl.close()
-    assert any(v in ("progressing", "slow") and 0 < pct < 100 and total == 48 for v, pct, _, total in progress), progress
-    assert len(chain) == 1 and "all 48 conversations regenerated" in chain[0]["data"]["reason"]
+    assert any(v in ("progressing", "slow") and 0 < pct < 100 and total == 32 for v, pct, _, total in progress), progress
+    assert len(chain) == 1 and "all 32 conversations regenerated" in chain[0]["data"]["reason"]
     assert len(seen["extract"]) == 1 and seen["server"]["state"] == "running" and not seen["server"]["stop_requested"]
-    assert (cfg.parent / "regenerated.jsonl").read_text().count("\n") == 48
+    assert (cfg.parent / "regenerated.jsonl").read_text().count("\n") == 32
     assert train["exit_code"] == 0
     server = ToyServer()
     try:
@@ -123,7 +123,7 @@ def test_from_a_chat_file_to_a_measured_draft(tmp_path):
     finally:
         server.stop()
     assert res["prompts_measured"] >= 8 and res["tau"] >= 1.0, res  # τ counts the target's own token
-    print(f"τ after {STEPS} steps on 48 regenerated conversations: {res['tau']:.2f} (bigram {res['tau_bigram']:.2f})")
+    print(f"τ after {STEPS} steps on 32 regenerated conversations: {res['tau']:.2f} (bigram {res['tau_bigram']:.2f})")
 
 
 def test_completion_weighs_failed_conversations_by_the_handoffs_share(tmp_path):
