@@ -29,7 +29,7 @@ from handlers.render.blocks import status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.handoff.machine import handoff_state
 from pipeline.status import RunStatus
-from pipeline.store import Store
+from pipeline.store import KV, Store
 
 log = logging.getLogger("eagle3.notifier")
 MILESTONES = (25, 50, 75, 100)
@@ -83,11 +83,11 @@ class Notifier:
         self.deliver(store)
 
     def collect(self, store: Store) -> None:
-        after = store.get(self.k + "notifier_after")
+        after = store.get(self.k + KV.NOTIFIER_AFTER)
         if after is None:  # first start: history from before it is in `/eagle3 status`, not re-posted
             older = [e["id"] for e in store.events() if e["t"] < self.started_at]
             after = older[-1] if older else 0
-            store.put(self.k + "notifier_after", after)
+            store.put(self.k + KV.NOTIFIER_AFTER, after)
         for event in store.events(after_id=after):
             stage, run = event.get("stage"), event.get("run_id")
             msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids,
@@ -104,7 +104,7 @@ class Notifier:
                                         thread_key=f"status:{run}" if thread and run else None,
                                         update_key=f"alert:{event['id']}" if opens else None)
                     if opens:  # resolved in place when the stage recovers
-                        store.put(self.k + f"open-alert:{stage}", {"key": f"alert:{event['id']}", "t": event["t"],
+                        store.put(self.k + KV.open_alert(stage), {"key": f"alert:{event['id']}", "t": event["t"],
                                                                    "text": text})
                     if kind == "alert" and stage and event["data"].get("to") == "stalled":
                         store.enqueue(channel=self.channel, kind="chart", text=f"{stage}, the last hour",
@@ -115,7 +115,7 @@ class Notifier:
                                   text=chart_request_text(stage, event["data"].get("by", "someone")),
                                   thread_key=f"status:{run}" if run else None,
                                   attachment={"chart": stage, "run": run, "text_if_none": True})
-                store.put(self.k + "notifier_after", event["id"])
+                store.put(self.k + KV.NOTIFIER_AFTER, event["id"])
 
     def _took(self, store: Store, event: dict) -> float | None:
         """How long the ending stage ran (a stage's done verdict, or training's end in the handoff)."""
@@ -130,23 +130,23 @@ class Notifier:
     def _resolve(self, store: Store, stage: str, text: str, event: dict) -> bool:
         """Update the stage's open alert to "resolved after N" and reply under it with `text`; False when no
         alert of this stage is open (the recovery is then a message of its own)."""
-        alert = store.get(self.k + f"open-alert:{stage}")
+        alert = store.get(self.k + KV.open_alert(stage))
         if not alert:
             return False
         resolved = resolved_text(alert["text"], event["t"] - alert["t"])
         store.enqueue(channel=self.channel, kind="resolved", text=resolved, blocks=text_blocks(resolved),
                       update_key=alert["key"])
         store.enqueue(channel=self.channel, kind="recovery", text=text, thread_key=alert["key"])
-        store.put(self.k + f"open-alert:{stage}", None)
+        store.put(self.k + KV.open_alert(stage), None)
         return True
 
     def _duplicate(self, store: Store, event: dict, kind: str) -> bool:
         """Alerts repeat at most once per cooldown for the same stage and cause, and not while snoozed."""
         if kind != "alert":
             return False
-        if (store.get(f"snooze:{event.get('stage')}") or 0) > self.clock():
+        if (store.get(KV.snooze(event.get("stage"))) or 0) > self.clock():
             return True
-        key = self.k + f"alerted:{event.get('stage')}:{event['data'].get('to') or event['data'].get('reason', '')[:40]}"
+        key = self.k + KV.alerted(event.get("stage"), event["data"].get("to") or event["data"].get("reason", "")[:40])
         last = store.get(key)
         if last is not None and self.clock() - last < self.cooldown_s:
             return True
@@ -157,11 +157,11 @@ class Notifier:
         """One reminder when a stage is still stalled `escalate_s` after its alert."""
         for stage in STAGE_NAMES:
             v = store.verdict(stage) or {}
-            alerted = store.get(self.k + f"alerted:{stage}:stalled")
-            key = self.k + f"escalated:{stage}:{alerted}"
+            alerted = store.get(self.k + KV.alerted(stage, "stalled"))
+            key = self.k + KV.escalated(stage, alerted)
             if v.get("verdict") != "stalled" or alerted is None or store.get(key):
                 continue
-            if self.clock() - alerted >= self.escalate_s and (store.get(f"snooze:{stage}") or 0) <= self.clock():
+            if self.clock() - alerted >= self.escalate_s and (store.get(KV.snooze(stage)) or 0) <= self.clock():
                 store.put(key, True)
                 text = escalation_text(stage, self.clock() - alerted, self.ws.config.slack.oncall_user_ids, self.host)
                 store.enqueue(channel=self.channel, kind="alert", text=text,
@@ -173,14 +173,14 @@ class Notifier:
         run, pct = v.get("run"), v.get("progress_pct")
         if not run or pct is None:
             return
-        passed = store.get(self.k + f"milestones:{run}", [])
+        passed = store.get(self.k + KV.milestones(run), [])
         for m in MILESTONES:
             if pct >= m and m not in passed:
                 passed.append(m)
                 store.enqueue(channel=self.channel, kind="milestone", text=milestone_text("extract", m),
                               thread_key=f"status:{run}",
                               attachment={"chart": "extract", "run": run, "text_if_none": True})
-        store.put(self.k + f"milestones:{run}", passed)
+        store.put(self.k + KV.milestones(run), passed)
 
     def needs_status(self, store: Store) -> bool:
         """True when a run is open and its status message was never enqueued (a run just started), or what it
@@ -234,21 +234,21 @@ class Notifier:
             self.last_sent[ch] = self.clock()
             with store.atomic():
                 store.mark_sent(m["id"], ts=ts)
-                if m["update_key"] and store.get(self.k + f"ts:{m['update_key']}") is None:
-                    store.put(self.k + f"ts:{m['update_key']}", ts)
+                if m["update_key"] and store.get(self.k + KV.ts(m["update_key"])) is None:
+                    store.put(self.k + KV.ts(m["update_key"]), ts)
 
     def _thread_ts(self, store: Store, key: str | None) -> str | None:
         if not key:
             return None
         if key.startswith("outbox:"):
             return store.message_ts(int(key.split(":", 1)[1]))
-        return store.get(self.k + f"ts:{key}")
+        return store.get(self.k + KV.ts(key))
 
     def _send(self, store: Store, m: dict) -> str | None:
         if m.get("attachment"):
             return self._send_chart(store, m, json.loads(m["attachment"]))
         blocks = json.loads(m["blocks"]) or None
-        existing = store.get(self.k + f"ts:{m['update_key']}") if m["update_key"] else None
+        existing = store.get(self.k + KV.ts(m["update_key"])) if m["update_key"] else None
         if existing:
             self.client.chat_update(channel=m["channel"], ts=existing, text=m["text"], blocks=blocks)
             return existing
@@ -285,13 +285,13 @@ class Notifier:
         except SlackApiError as exc:
             if not isinstance(exc.response.data, dict) or exc.response.get("error") != "missing_scope":
                 raise
-            noted = store.get(self.k + "chart_scope_noted")
-            store.put(self.k + "chart_scope_noted", True)
+            noted = store.get(self.k + KV.CHART_SCOPE_NOTED)
+            store.put(self.k + KV.CHART_SCOPE_NOTED, True)
             text = m["text"] if noted else f"{m['text']}\n{SCOPE_NOTE}"
             log.warning("chart upload refused: missing_scope (needed: %s)", exc.response.get("needed") or "files:write")
             return self.client.chat_postMessage(channel=m["channel"], text=text, thread_ts=thread).get("ts")
         file = r.get("file") or {}
-        store.put(self.k + "chart:latest", {"file_id": file.get("id"), "stage": stage, "t": self.clock(),
+        store.put(self.k + KV.CHART_LATEST, {"file_id": file.get("id"), "stage": stage, "t": self.clock(),
                                             "path": str(png)})
         return None
 

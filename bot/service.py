@@ -18,6 +18,7 @@ import time
 from pipeline.config import Workspace
 from pipeline.monitor import Monitor
 from pipeline.servelock import ServeLock
+from pipeline.store import KV
 
 log = logging.getLogger("eagle3.service")
 DELIVERY_INTERVAL_S = 1.0
@@ -173,7 +174,7 @@ class Delivery:
             return
         store = Store(self.ws.store_path)
         try:
-            store.put("slack_auth", result)
+            store.put(KV.SLACK_AUTH, result)
         finally:
             store.close()
         self.auth_checked = True
@@ -356,9 +357,9 @@ class Inputs:
 
         store = Store(self.ws.store_path)
         try:
-            old = store.get("transport") or {}
+            old = store.get(KV.TRANSPORT) or {}
             since = old.get("since") if old.get("state") == state else time.time()
-            store.put("transport", {"kind": self.kind, "state": state, "error": error, "since": since,
+            store.put(KV.TRANSPORT, {"kind": self.kind, "state": state, "error": error, "since": since,
                                     "pid": os.getpid(), **extra})
         finally:
             store.close()

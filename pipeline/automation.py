@@ -10,7 +10,7 @@ from pipeline.handoff.machine import ARMED, WAITING, Handoff, handoff_state
 from pipeline.regenerate import complete as regenerate_complete
 from pipeline.stages.states import StageState
 from pipeline.stages.supervisor import Supervisor
-from pipeline.store import Store
+from pipeline.store import KV, Store
 
 
 class Automation:
@@ -73,11 +73,11 @@ class Automation:
             died = vanished or failed
             if not died:
                 continue
-            key = f"restarts:{proc['run_id']}:{stage}"
+            key = KV.restarts(proc["run_id"], stage)
             count = self.store.get(key, 0)
             if count >= cfg.max_restarts:
-                if self.store.get(f"restart-limit:{proc['id']}") is None:
-                    self.store.put(f"restart-limit:{proc['id']}", True)
+                if self.store.get(KV.restart_limit(proc["id"])) is None:
+                    self.store.put(KV.restart_limit(proc["id"]), True)
                     self.store.add_event(kind="restart-limit", run_id=proc["run_id"], stage=stage, data={
                         "reason": f"{stage} died ({proc['reason']}) and has been restarted {count} time(s), its limit"})
                 continue
@@ -96,14 +96,14 @@ class Automation:
 
     def reminders(self) -> None:
         """Emit a reminder event, with the current status, for each due reminder."""
-        pending = self.store.get("reminders", [])
+        pending = self.store.get(KV.REMINDERS, [])
         now = self.clock()
         due = [r for r in pending if r["due_at"] <= now]
         if not due:
             return
         status = {s: self.store.verdict(s) for s in STAGE_NAMES}
         with self.store.atomic():
-            self.store.put("reminders", [r for r in pending if r["due_at"] > now])
+            self.store.put(KV.REMINDERS, [r for r in pending if r["due_at"] > now])
             for r in due:
                 self.store.add_event(kind="reminder", run_id=self.store.current_run(), data={
                     "by": r["by"], "asked_at": r["created_at"], "status": {

@@ -16,7 +16,7 @@ from pipeline.stages.logfile import tail_lines
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor, who
 from pipeline.status import READING_KEYS, VERDICT_KEYS, RunStatus, StageStatus
-from pipeline.store import Store
+from pipeline.store import KV, Store
 
 
 class TrainGuardError(UserError):
@@ -152,7 +152,7 @@ class Controller:
 
         reading = make_gpu_probe(self.ws).read()
         if reading.value:
-            self.store.put("gpu_baseline", {str(g["index"]): g["mem_used_mb"] for g in reading.value})
+            self.store.put(KV.GPU_BASELINE, {str(g["index"]): g["mem_used_mb"] for g in reading.value})
 
     def autostart(self, on: bool, *, by: str = "cli") -> dict:
         """Arm or cancel the handoff: {changed, state, monitor_running}."""
@@ -166,7 +166,7 @@ class Controller:
         """Silence alerts about `stage` until now + seconds; returns the time they resume."""
         self._check_stage(stage)
         until = self.store.clock() + seconds
-        self.store.put(f"snooze:{stage}", until)
+        self.store.put(KV.snooze(stage), until)
         return until
 
     def remind(self, spec: str, *, by: str = "cli") -> dict:
@@ -184,7 +184,7 @@ class Controller:
             delay = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
         reminder = {"due_at": now + delay, "created_at": now, "by": by, "spec": spec}
         with self.store.atomic():
-            self.store.put("reminders", [*self.store.get("reminders", []), reminder])
+            self.store.put(KV.REMINDERS, [*self.store.get(KV.REMINDERS, []), reminder])
             self.store.audit(user=by, channel=None, action=f"remind {spec}", outcome="done")
         return {**reminder, "monitor_running": self.monitor_running()}
 
@@ -199,7 +199,7 @@ class Controller:
 
     def latest_chart(self) -> dict | None:
         """The last chart posted to Slack ({file_id, stage, t, path}), or None."""
-        return self.store.get("chart:latest")
+        return self.store.get(KV.CHART_LATEST)
 
     def recent_events(self, limit: int = 50) -> list[dict]:
         """The newest events, for App Home's timeline."""
@@ -252,17 +252,17 @@ class Controller:
 
     def last_tick(self) -> float | None:
         """Unix time of the monitor's last heartbeat (None: never, or `eagle3 serve` stopped cleanly)."""
-        t = (self.store.get("monitor") or {}).get("t")
+        t = (self.store.get(KV.MONITOR) or {}).get("t")
         return float(t) if t else None
 
     def restarts(self, stage: str) -> int:
         """Restarts of `stage` by its on-failure policy in the current run."""
         run = self.store.current_run()
-        return int(self.store.get(f"restarts:{run}:{stage}", 0) or 0) if run else 0
+        return int(self.store.get(KV.restarts(run, stage), 0) or 0) if run else 0
 
     def monitor_running(self) -> bool:
         """True when `eagle3 serve` stored a heartbeat within the last two ticks."""
-        beat = self.store.get("monitor") or {}
+        beat = self.store.get(KV.MONITOR) or {}
         return self.store.clock() - beat.get("t", 0) <= 2 * self.ws.config.monitor.tick_s + 1
 
     def status(self, *, sample_if_unmonitored: bool = True) -> RunStatus:
@@ -291,7 +291,7 @@ class Controller:
             run=self.store.current_run(), monitor="running" if monitored else "not running",
             autostart="off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
             autostart_reason=(handoff or {}).get("reason"), outbox=self.store.outbox_summary(),
-            transport=self._transport(monitored), slack_auth=self.store.get("slack_auth") if monitored else None,
+            transport=self._transport(monitored), slack_auth=self.store.get(KV.SLACK_AUTH) if monitored else None,
             stages={stage: self._stage_status(stage, now) for stage in STAGE_NAMES if self._shown(stage)})
 
     def _shown(self, stage: str) -> bool:
@@ -300,7 +300,7 @@ class Controller:
 
     def _transport(self, monitored: bool) -> dict | None:
         """How `serve` receives Slack's commands and buttons (Socket Mode, HTTP), while it runs."""
-        transport = self.store.get("transport")
+        transport = self.store.get(KV.TRANSPORT)
         return transport if transport and monitored and transport.get("state") != "stopped" else None
 
     def _unobserved_end(self, stage: str) -> bool:

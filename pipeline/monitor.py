@@ -10,7 +10,7 @@ import time
 from pipeline.automation import Automation
 from pipeline.config import Workspace
 from pipeline.observe.sampler import Sampler
-from pipeline.store import Store
+from pipeline.store import KV, Store
 
 log = logging.getLogger("eagle3.monitor")
 
@@ -32,7 +32,7 @@ class Monitor:
         try:
             while not self.stopping.is_set():
                 started = time.monotonic()
-                store.put("monitor", {"pid": os.getpid(), "t": self.clock(), "tick_s": tick_s})
+                store.put(KV.MONITOR, {"pid": os.getpid(), "t": self.clock(), "tick_s": tick_s})
                 try:
                     results = sampler.tick()
                     automation.tick()
@@ -45,7 +45,7 @@ class Monitor:
                     break
                 self.stopping.wait(max(0.0, tick_s - (time.monotonic() - started)))
         finally:
-            store.put("monitor", {"pid": os.getpid(), "t": 0, "tick_s": tick_s})
+            store.put(KV.MONITOR, {"pid": os.getpid(), "t": 0, "tick_s": tick_s})
             sampler.close()
             store.close()
 

@@ -96,6 +96,67 @@ CONSOLE_CHANNEL = "console"  # the outbox channel of messages printed by the con
 OPEN_RETRY_S = 10.0  # how long opening retries a store that another process is creating
 
 
+class KV:
+    """Every key of the kv table, spelled once (issue 36): callers name a family, never write a key.
+
+    Single entries are constants; families are functions of what they are about. The notifier's console
+    transport keeps its own copy of its families under a prefix (`Notifier.k`)."""
+
+    MONITOR = "monitor"  # the monitor's heartbeat {pid, t, tick_s}
+    TRANSPORT = "transport"  # how serve receives Slack's commands {kind, state, error, since, pid}
+    SLACK_AUTH = "slack_auth"  # auth.test's answer {ok, user, team | error}
+    GPU_BASELINE = "gpu_baseline"  # each GPU's memory in use before the server started {index: MB}
+    REMINDERS = "reminders"  # [{due_at, by, …}] "check back later"
+    HANDOFF = "handoff"  # the auto-start handoff's state (pipeline/handoff/machine.py)
+    CHART_LATEST = "chart:latest"  # the last chart uploaded {file_id, stage, t, path}
+    NOTIFIER_AFTER = "notifier_after"  # the last event the notifier turned into messages
+    CHART_SCOPE_NOTED = "chart_scope_noted"  # the missing files:write scope was said once
+
+    @staticmethod
+    def verdict(stage: str) -> str:
+        return f"verdict:{stage}"
+
+    @staticmethod
+    def snooze(stage: str) -> str:
+        return f"snooze:{stage}"
+
+    @staticmethod
+    def restarts(run: str, stage: str) -> str:
+        return f"restarts:{run}:{stage}"
+
+    @staticmethod
+    def restart_limit(proc_id: int) -> str:
+        return f"restart-limit:{proc_id}"
+
+    @staticmethod
+    def condition(name: str, proc_id: int) -> str:
+        return f"condition:{name}:{proc_id}"
+
+    @staticmethod
+    def alerted(stage: str, cause: str) -> str:
+        return f"alerted:{stage}:{cause}"
+
+    @staticmethod
+    def escalated(stage: str, alerted_at) -> str:
+        return f"escalated:{stage}:{alerted_at}"
+
+    @staticmethod
+    def milestones(run: str) -> str:
+        return f"milestones:{run}"
+
+    @staticmethod
+    def open_alert(stage: str) -> str:
+        return f"open-alert:{stage}"
+
+    @staticmethod
+    def ts(update_key: str) -> str:
+        """The chat service's ts of the message with this update key (status post, alert)."""
+        return f"ts:{update_key}"
+
+    FAMILIES = ("verdict:", "snooze:", "restarts:", "restart-limit:", "condition:", "alerted:", "escalated:",
+                "milestones:", "open-alert:", "ts:")
+
+
 class Store:
     """Typed access to the state store; one instance per process."""
 
@@ -182,11 +243,11 @@ class Store:
     def verdict(self, stage: str) -> dict | None:
         """The stage's latest stored verdict record (the sampler's: the replay fields plus proc_id,
         run, final, done/failed/total, rates, last_progress_at, deadline_s, eta_note), or None."""
-        return self.get(f"verdict:{stage}")
+        return self.get(KV.verdict(stage))
 
     def put_verdict(self, stage: str, record: dict) -> None:
         """Store the stage's latest verdict record."""
-        self.put(f"verdict:{stage}", record)
+        self.put(KV.verdict(stage), record)
 
     # --- runs ---------------------------------------------------------------
     def open_run(self) -> str:

@@ -21,7 +21,7 @@ from pipeline.observe.done import finished
 from pipeline.stages.host import port_free
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor, is_job, launched, who
-from pipeline.store import Store
+from pipeline.store import KV, Store
 
 
 class HandoffStep(StrEnum):
@@ -63,7 +63,7 @@ FAILED, CANCELLED = HandoffStep.FAILED, HandoffStep.CANCELLED
 TRAINING_DONE, TRAINING_FAILED = HandoffStep.TRAINING_DONE, HandoffStep.TRAINING_FAILED
 CANCELLABLE = frozenset(s for s in HandoffStep if s.cancellable)
 FOLLOWED = frozenset(s for s in HandoffStep if s.followed)
-KEY = "handoff"
+KEY = KV.HANDOFF
 # The handoff's edges, as the stages have theirs (pipeline/stages/states.py): `_set` refuses any other.
 # None is "no handoff of this run" (off, or a finished one of an earlier run): arming starts from it.
 _EDGES = {
@@ -241,7 +241,7 @@ class Handoff:
             settled = self.clock() - (state.get("server_stopped_at") or 0) >= self.ws.config.handoff.settle_s
             why = reading.unknown if reading else "no GPU probe"
             return settled, f"server processes gone and port {port} free; GPU memory could not be checked ({why})"
-        baseline = self.store.get("gpu_baseline") or {}
+        baseline = self.store.get(KV.GPU_BASELINE) or {}
         wanted = set(self.ws.stage("train").gpus) or {g["index"] for g in reading.value}
         tol = self.ws.config.handoff.gpu_release_tolerance_mb
         held = [g for g in reading.value if g["index"] in wanted and g.get("mem_used_mb") is not None

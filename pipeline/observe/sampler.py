@@ -26,7 +26,7 @@ from pipeline.observe.verdict import Policy, VerdictRecord, fmt_bytes
 from pipeline.stages.slurm import is_local_host
 from pipeline.stages.states import StageState, has_ended
 from pipeline.stages.supervisor import Supervisor
-from pipeline.store import Store
+from pipeline.store import KV, Store
 
 HISTORY_S = 7200.0  # history replayed into a fresh diagnoser after a restart
 
@@ -189,7 +189,7 @@ class Sampler:
             "train-error": stage == "train" and prog.get("error") and f"training reported: {prog['error']}",
         }
         for name, reason in conditions.items():
-            key = f"condition:{name}:{row['id']}"
+            key = KV.condition(name, row["id"])
             if reason and not self.store.get(key):
                 self.store.put(key, True)
                 self.store.add_event(kind="condition-alert", run_id=row["run_id"], stage=stage, data={"reason": reason})

@@ -141,3 +141,28 @@ def test_processes_opening_a_new_store_at_once_all_get_it(tmp_path):
         assert {m.name for m in migrations.applied(store.db)} == {m.name for m in migrations.pending(Database(
             sqlite3.connect(":memory:")))}
         store.close()
+
+
+def test_every_key_family_is_named_once_and_kept_apart(tmp_path):
+    """Issue 36: each kv family has one name in the store (KV); every one round-trips and no two collide."""
+    import inspect
+
+    from pipeline.store import KV
+
+    singles = {name: v for name, v in vars(KV).items() if name.isupper() and isinstance(v, str)}
+    families = {name: fn for name, fn in vars(KV).items() if isinstance(fn, staticmethod)}
+    keys = dict(singles)
+    for name, fn in families.items():
+        args = ["a", "b", "c"][: len(inspect.signature(fn.__func__).parameters)]
+        key = fn.__func__(*args)
+        assert key.split(":", 1)[0] + ":" in KV.FAMILIES, (name, key)
+        keys[name] = key
+    assert len(set(keys.values())) == len(keys) == len(singles) + len(families)
+    assert {k.split(":", 1)[0] + ":" for n, k in keys.items() if n in families} == set(KV.FAMILIES)
+    store = Store(tmp_path / "s.sqlite")
+    try:
+        for i, key in enumerate(keys.values()):
+            store.put(key, {"i": i})
+        assert [store.get(k) for k in keys.values()] == [{"i": i} for i in range(len(keys))]
+    finally:
+        store.close()
