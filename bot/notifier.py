@@ -49,8 +49,8 @@ def status_signature(store: Store) -> str:
     run and the handoff step (progress and ETA drift are the periodic refresh's)."""
     parts = [store.current_run(), (handoff_state(store) or {}).get("step", "off")]
     for stage in STAGE_NAMES:
-        v, p = store.verdict(stage) or {}, store.latest_proc(stage)
-        parts.append((stage, v.get("verdict"), v.get("proc_id"), p["state"] if p else None))
+        v, p = store.verdict(stage), store.latest_proc(stage)
+        parts.append((stage, v and v.verdict, v and v.proc_id, p["state"] if p else None))
     return json.dumps(parts, default=str)
 
 
@@ -156,10 +156,10 @@ class Notifier:
     def escalate(self, store: Store) -> None:
         """One reminder when a stage is still stalled `escalate_s` after its alert."""
         for stage in STAGE_NAMES:
-            v = store.verdict(stage) or {}
+            v = store.verdict(stage)
             alerted = store.get(self.k + KV.alerted(stage, "stalled"))
             key = self.k + KV.escalated(stage, alerted)
-            if v.get("verdict") != "stalled" or alerted is None or store.get(key):
+            if v is None or v.verdict != "stalled" or alerted is None or store.get(key):
                 continue
             if self.clock() - alerted >= self.escalate_s and (store.get(KV.snooze(stage)) or 0) <= self.clock():
                 store.put(key, True)
@@ -169,8 +169,8 @@ class Notifier:
 
     def milestones(self, store: Store) -> None:
         """25/50/75/100 % of extraction, once each per run, as replies in the run's thread."""
-        v = store.verdict("extract") or {}
-        run, pct = v.get("run"), v.get("progress_pct")
+        v = store.verdict("extract")
+        run, pct = (v.run, v.progress_pct) if v else (None, None)
         if not run or pct is None:
             return
         passed = store.get(self.k + KV.milestones(run), [])

@@ -101,7 +101,7 @@ class Automation:
         due = [r for r in pending if r["due_at"] <= now]
         if not due:
             return
-        status = {s: self.store.verdict(s) for s in STAGE_NAMES}
+        status = {s: v.to_json() for s in STAGE_NAMES if (v := self.store.verdict(s)) is not None}
         with self.store.atomic():
             self.store.put(KV.REMINDERS, [r for r in pending if r["due_at"] > now])
             for r in due:

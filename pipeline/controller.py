@@ -11,11 +11,11 @@ from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
-from pipeline.observe.verdict import Verdict
+from pipeline.observe.verdict import StoredVerdict, Verdict
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor, who
-from pipeline.status import READING_KEYS, VERDICT_KEYS, RunStatus, StageStatus
+from pipeline.status import READING_KEYS, RunStatus, StageStatus
 from pipeline.store import KV, Store
 
 
@@ -173,7 +173,7 @@ class Controller:
         """Store a reminder due after '30m', '1h', '90s' or at the extraction 'eta'."""
         now = self.store.clock()
         if spec == "eta":
-            eta = (self.store.verdict("extract") or {}).get("eta_s")
+            eta = getattr(self.store.verdict("extract"), "eta_s", None)
             if eta is None:
                 raise UserError("remind eta: extraction has no ETA yet; give a delay such as 30m or 1h")
             delay = float(eta)
@@ -207,7 +207,7 @@ class Controller:
 
     def has_eta(self, stage: str) -> bool:
         """True when the stage's stored verdict carries an ETA."""
-        return (self.store.verdict(stage) or {}).get("eta_s") is not None
+        return getattr(self.store.verdict(stage), "eta_s", None) is not None
 
     @staticmethod
     def owner(proc: dict) -> str:
@@ -305,9 +305,9 @@ class Controller:
 
     def _unobserved_end(self, stage: str) -> bool:
         proc = self.store.latest_proc(stage)
-        verdict = self.store.verdict(stage) or {}
+        verdict = self.store.verdict(stage)
         return bool(proc) and proc["state"] != StageState.RUNNING and (
-            verdict.get("proc_id") != proc["id"] or not verdict.get("final"))
+            verdict is None or verdict.proc_id != proc["id"] or not verdict.final)
 
     def _stage_status(self, stage: str, now: float) -> StageStatus:
         proc = self.store.latest_proc(stage)
@@ -325,21 +325,21 @@ class Controller:
     def _with_verdict(self, stage: str, proc: dict, st: StageStatus) -> StageStatus:
         v = self.store.verdict(stage)
         alive = StageState(proc["state"]) in MAYBE_ALIVE_STATES
-        if not v or v.get("proc_id") != proc["id"]:
+        if not v or v.proc_id != proc["id"]:
             if alive and proc["state"] != StageState.UNKNOWN:  # just started: the next tick observes it
                 return replace(st, verdict=Verdict.STARTING, reasons=("just started; not observed yet",))
             return replace(st, verdict=Verdict.UNKNOWN, reasons=("not observed yet",))
-        if not alive and not v.get("final") and v.get("verdict") not in (Verdict.STOPPED, Verdict.DONE, Verdict.DEAD):
+        if not alive and not v.final and v.verdict not in (Verdict.STOPPED, Verdict.DONE, Verdict.DEAD):
             # The verdict was made while it ran; until the next tick observes the end, say what is known.
             stopped = proc["state"] == StageState.STOPPED
             why = (f"stopped on request ({proc['reason']})" if proc["stop_requested"] else proc["reason"]) if stopped \
                 else f"ended ({proc['reason']}); its verdict comes with the next observation"
-            v = {**v, "verdict": Verdict.STOPPED if stopped else Verdict.UNKNOWN, "stuck": False, "eta_s": None,
-                 "eta_low_s": None, "eta_high_s": None, "reasons": [why]}
+            v = replace(v, verdict=Verdict.STOPPED if stopped else Verdict.UNKNOWN, stuck=False, eta_s=None,
+                        eta_low_s=None, eta_high_s=None, reasons=(why,))
         obs = self.store.latest_observation(stage) or {}
-        fields = {k: v.get(k) for k in VERDICT_KEYS if k not in ("verdict", "reasons")}
-        return replace(st, observed=True, verdict=Verdict.of(v.get("verdict")), reasons=tuple(v.get("reasons") or ()),
-                       observed_at=v.get("t"), gaps=obs.get("unknown"), **fields,
+        fields = {k: getattr(v, k) for k in StoredVerdict.STATUS_FIELDS}
+        return replace(st, observed=True, verdict=Verdict.of(v.verdict), reasons=v.reasons,
+                       observed_at=v.t, gaps=obs.get("unknown"), **fields,
                        **{k: obs.get(k) for k in READING_KEYS})
 
     def state_version(self) -> str:

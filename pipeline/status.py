@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pipeline.observe.verdict import Verdict
+from pipeline.observe.verdict import StoredVerdict, Verdict
 from pipeline.stages.states import StageState
 
 PROCESS_KEYS = ("state", "pid", "exit_code", "signal", "started_at", "ended_at", "uptime_s", "log", "reason", "run")
 UNOBSERVED_KEYS = ("verdict", "progress_pct", "eta_s", "reasons")
-VERDICT_KEYS = ("verdict", "stuck", "progress_pct", "eta_s", "eta_low_s", "eta_high_s", "reasons", "done", "failed",
-                "total", "rate_samples_per_s", "rate_tokens_per_s", "last_progress_at", "eta_note")
+# the stored verdict's fields status shows (StoredVerdict declares them), in the JSON's order
+VERDICT_KEYS = ("verdict", *StoredVerdict.STATUS_FIELDS[:5], "reasons", *StoredVerdict.STATUS_FIELDS[5:])
 READING_KEYS = ("gpus", "server", "disk", "progress")
 
 

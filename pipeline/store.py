@@ -20,6 +20,7 @@ from typing import Any
 from sqlite_utils import Database, Migrations
 
 from pipeline.errors import StoreError
+from pipeline.observe.verdict import StoredVerdict
 
 BUSY_TIMEOUT_S = 10.0
 migrations = Migrations("eagle3")
@@ -240,14 +241,13 @@ class Store:
         self.db["kv"].upsert({"key": key, "value": json.dumps(value)}, pk="key")
 
     # --- verdicts -----------------------------------------------------------
-    def verdict(self, stage: str) -> dict | None:
-        """The stage's latest stored verdict record (the sampler's: the replay fields plus proc_id,
-        run, final, done/failed/total, rates, last_progress_at, deadline_s, eta_note), or None."""
-        return self.get(KV.verdict(stage))
+    def verdict(self, stage: str) -> StoredVerdict | None:
+        """The stage's latest stored verdict (pipeline/observe/verdict.StoredVerdict), or None."""
+        return StoredVerdict.from_json(self.get(KV.verdict(stage)))
 
-    def put_verdict(self, stage: str, record: dict) -> None:
-        """Store the stage's latest verdict record."""
-        self.put(KV.verdict(stage), record)
+    def put_verdict(self, stage: str, record: StoredVerdict) -> None:
+        """Store the stage's latest verdict."""
+        self.put(KV.verdict(stage), record.to_json())
 
     # --- runs ---------------------------------------------------------------
     def open_run(self) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from handlers.auth import redact
 from handlers.render.views import ago
-from pipeline.observe.verdict import Verdict
+from pipeline.observe.verdict import StoredVerdict, Verdict
 
 ACTION_LOGS, ACTION_SNOOZE = "eagle3_show_logs", "eagle3_snooze"
 
@@ -50,8 +50,9 @@ def event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), h
     if kind == "stage-restart":
         return "restart", f"{stage} restarted (attempt {d['attempt']} of {d['limit']}) after: {d['reason']}", "run"
     if kind == "reminder":
-        parts = [f"{s}: {v['verdict']}" + (f" {v['progress_pct']:.1f} %" if v.get("progress_pct") is not None else "")
-                 + (f", about {ago(v['eta_s'])} to go" if v.get("eta_s") else "") for s, v in d["status"].items()]
+        stored = {s: StoredVerdict.from_json(v) for s, v in (d.get("status") or {}).items()}
+        parts = [f"{s}: {v.verdict}" + (f" {v.progress_pct:.1f} %" if v.progress_pct is not None else "")
+                 + (f", about {ago(v.eta_s)} to go" if v.eta_s else "") for s, v in stored.items() if v]
         by = d["by"]
         who = f"<@{by.removeprefix('slack:')}> checking back as asked" if by.startswith("slack:") else \
             f"checking back as asked by {by}"

@@ -71,9 +71,9 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
             unreadable = str(exc)
         except (OSError, sqlite3.Error) as exc:
             unreadable = f"{out}/manifest.sqlite: {exc}"
-    verdict = store.verdict("extract") or {}
+    verdict = store.verdict("extract")
     c.done, c.failed, c.total = prog.get("done"), prog.get("failed"), prog.get("total")
-    c.eta_s = verdict.get("eta_s") if verdict.get("proc_id") == proc["id"] else None
+    c.eta_s = verdict.eta_s if verdict and verdict.proc_id == proc["id"] else None
     if proc["state"] == StageState.RUNNING:
         c.missing.append("extraction is still running")
     elif proc["state"] != StageState.EXITED or proc["exit_code"] != 0:
@@ -111,19 +111,18 @@ def _by_final_verdict(c: Completion, store: Store, proc: dict) -> Completion:
     """Another tool's extraction (progress from its files, its log or its JSON lines; no manifest to verify):
     complete when the monitor observed its end and judged it done — exit 0, its progress at its total, the
     failed share within the maximum, its done_when met — and the total is known."""
-    verdict = store.verdict("extract") or {}
-    mine = verdict.get("proc_id") == proc["id"]
+    verdict = store.verdict("extract")
+    mine = verdict is not None and verdict.proc_id == proc["id"]
     if mine:
-        c.done, c.failed, c.total = verdict.get("done"), verdict.get("failed"), verdict.get("total")
-        c.eta_s = verdict.get("eta_s")
+        c.done, c.failed, c.total, c.eta_s = verdict.done, verdict.failed, verdict.total, verdict.eta_s
     if proc["state"] == StageState.RUNNING:
         c.missing.append("extraction is still running")
     elif proc["state"] != StageState.EXITED or proc["exit_code"] != 0:
         c.missing.append(f"the last extraction run did not exit 0 ({proc['reason'] or proc['state']})")
-    elif not mine or not verdict.get("final"):
+    elif not mine or not verdict.final:
         c.missing.append("the monitor has not yet observed this extraction's end")
-    elif verdict.get("verdict") != "done":
-        c.missing.append(f"its end was judged {verdict.get('verdict')}: {'; '.join(verdict.get('reasons') or [])}")
+    elif verdict.verdict != "done":
+        c.missing.append(f"its end was judged {verdict.verdict}: {'; '.join(verdict.reasons)}")
     if c.total is None and not c.missing:
         c.missing.append("its progress has no total (set files_total, or a total in its progress source), so "
                          "completion cannot be verified")

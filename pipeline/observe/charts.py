@@ -20,6 +20,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pipeline.observe.verdict import StoredVerdict
+
 WIDTH_PX, HEIGHT_PX, DPI = 960, 840, 150
 PREVIEW_PX = 480  # the width Slack previews an image at
 MIN_TEXT_PX = 7.0  # the smallest text height (at the preview width) that stays readable
@@ -39,7 +41,7 @@ def alt_text(stage: str, run: str | None = None) -> str:
 
 
 def draw(observations: list[dict], *, stage: str, events: list[dict] = (), title: str | None = None,
-         verdict: dict | None = None):
+         verdict: StoredVerdict | None = None):
     """The figure for `observations` (one stage, time order); `events`: the stage's stored events (verdict
     changes, restarts); `verdict`: the stage's stored verdict (its ETA band; None: recomputed from the
     observations, as for a trace file)."""
@@ -80,7 +82,7 @@ def draw(observations: list[dict], *, stage: str, events: list[dict] = (), title
 
 
 def render(observations: list[dict], *, stage: str, out: Path, events: list[dict] = (), title: str | None = None,
-           verdict: dict | None = None) -> Path:
+           verdict: StoredVerdict | None = None) -> Path:
     """Draw into a PNG at `out`; returns `out`."""
     import matplotlib.pyplot as plt
 
@@ -103,20 +105,19 @@ def render_run(store, stage: str, *, out: Path, run: str | None = None, since: f
     events = [e for e in store.events() if e.get("stage") == stage and (not run or e.get("run_id") == run)
               and (since is None or e["t"] >= since)]
     stored = store.verdict(stage)
-    verdict = stored if stored and (not run or stored.get("run") == run) else {}
+    verdict = stored if stored and (not run or stored.run == run) else StoredVerdict()
     return render(obs, stage=stage, out=out, events=events, verdict=verdict,
                   title=title or f"eagle3 — {stage}" + (f", run {run}" if run else "")), len(obs), run
 
 
-def _recomputed(obs: list[dict], stage: str) -> dict:
+def _recomputed(obs: list[dict], stage: str) -> StoredVerdict:
     from pipeline.observe.diagnosis import Diagnoser
 
     d = Diagnoser(stage=stage)
     last = None
     for o in obs:
         last = d.feed(o)
-    return {"verdict": str(last.verdict), "eta_s": last.eta_s, "eta_low_s": last.eta_low_s,
-            "eta_high_s": last.eta_high_s, "final": last.verdict in ("done", "dead", "stopped")}
+    return StoredVerdict.of(last, proc_id=0, run=None, final=last.verdict in ("done", "dead", "stopped"))
 
 
 def _legend(ax, *others) -> None:
@@ -128,7 +129,7 @@ def _legend(ax, *others) -> None:
         ax.legend(handles, labels, loc="upper left", framealpha=0.8)
 
 
-def _progress(ax, obs: list[dict], verdict: dict, events) -> None:
+def _progress(ax, obs: list[dict], verdict: StoredVerdict, events) -> None:
     pts = [(o["t"], o["progress"]) for o in obs if isinstance(o.get("progress"), dict)
            and isinstance(o["progress"].get("done"), (int, float))]
     if not pts:
@@ -142,8 +143,8 @@ def _progress(ax, obs: list[dict], verdict: dict, events) -> None:
     total = pts[-1][1].get("total")
     if total:
         ax.axhline(total, color="grey", lw=0.8, ls=":", label=f"total {total:,}")
-    eta, low, high = verdict.get("eta_s"), verdict.get("eta_low_s"), verdict.get("eta_high_s")
-    running = verdict.get("verdict") not in ("done", "dead", "stopped") and not verdict.get("final")
+    eta, low, high = verdict.eta_s, verdict.eta_low_s, verdict.eta_high_s
+    running = verdict.verdict not in ("done", "dead", "stopped") and not verdict.final
     if running and eta and total:  # a finished stage has nothing to project
         t_end = obs[-1]["t"]
         done = pts[-1][1]["done"] + (pts[-1][1].get("failed") or 0)

@@ -22,7 +22,7 @@ from pipeline.observe.probes.files import FileScanner
 from pipeline.observe.probes.gpu import FakeNvml, GpuProbe, RealNvml
 from pipeline.observe.probes.process import group_processes, read_process
 from pipeline.observe.probes.server import ServerProbe
-from pipeline.observe.verdict import Policy, VerdictRecord, fmt_bytes
+from pipeline.observe.verdict import Policy, StoredVerdict, VerdictRecord, fmt_bytes
 from pipeline.stages.slurm import is_local_host
 from pipeline.stages.states import StageState, has_ended
 from pipeline.stages.supervisor import Supervisor
@@ -166,17 +166,13 @@ class Sampler:
         with self.store.atomic():
             self.store.add_observation(obs, run_id=row["run_id"])
             previous = self.store.verdict(stage)
-            record = {**verdict.replay_json(), "proc_id": row["id"], "run": row["run_id"], "final": final,
-                      "done": verdict.done, "failed": verdict.failed, "total": verdict.total,
-                      "rate_samples_per_s": verdict.rate_samples_per_s, "rate_tokens_per_s": verdict.rate_tokens_per_s,
-                      "last_progress_at": verdict.last_progress_at, "deadline_s": verdict.deadline_s,
-                      "eta_note": verdict.eta_note}
+            record = StoredVerdict.of(verdict, proc_id=row["id"], run=row["run_id"], final=final)
             self.store.put_verdict(stage, record)
             self._condition_events(stage, row, obs)
-            if not previous or previous.get("verdict") != verdict.verdict or previous.get("proc_id") != row["id"]:
+            if not previous or previous.verdict != verdict.verdict or previous.proc_id != row["id"]:
                 self.store.add_event(kind="verdict", run_id=row["run_id"], stage=stage, data={
-                    "from": (previous or {}).get("verdict"), "to": verdict.verdict, "reasons": list(verdict.reasons),
-                    "progress_pct": record["progress_pct"]})
+                    "from": previous.verdict if previous else None, "to": verdict.verdict,
+                    "reasons": list(verdict.reasons), "progress_pct": record.progress_pct})
         return obs, verdict
 
     def _condition_events(self, stage: str, row: dict, obs: dict) -> None:

@@ -174,3 +174,24 @@ def test_handlers_go_through_the_controller():
         if bad:
             offenders[str(path.relative_to(ROOT))] = bad
     assert offenders == {}
+
+
+def test_no_string_keyed_read_of_a_verdict_field_outside_the_store():
+    """The stored verdict is one record type (issue 36): read by attribute, never `v.get("eta_s")` or
+    `v["proc_id"]`; only its own (de)serialisation names its fields as strings."""
+    from pipeline.observe.verdict import StoredVerdict
+
+    fields = [f for f in StoredVerdict.__dataclass_fields__ if f not in ("t", "stage", "verdict", "reasons", "run",
+                                                                          "done", "failed", "total", "final")]
+    # fields shared with other dicts (an observation's "done", an event's "reasons", a batch's "final") are left
+    # out; these are the verdict record's own
+    pattern = re.compile(r'(\.get\(|\[)"(' + "|".join(fields) + r')"')
+    offenders = {}
+    for package in ("bot", "handlers", "pipeline"):
+        for p in (ROOT / package).rglob("*.py"):
+            if p in (ROOT / "pipeline" / "store.py", ROOT / "pipeline" / "observe" / "verdict.py"):
+                continue
+            hits = [m.group(0) for m in pattern.finditer(p.read_text())]
+            if hits:
+                offenders[str(p.relative_to(ROOT))] = hits
+    assert offenders == {}

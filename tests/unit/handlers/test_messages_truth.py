@@ -12,6 +12,7 @@ from handlers.render.views import status_text, train_guard_text
 from handlers.slash import answer
 from pipeline.controller import Controller
 from pipeline.handoff import completion
+from pipeline.observe.verdict import StoredVerdict
 from tests.conftest import workspace_of
 
 pytestmark = pytest.mark.timeout(30)
@@ -45,8 +46,8 @@ def test_a_just_started_stage_is_starting_not_unknown(ctl):
 
 def test_a_training_that_ended_is_not_shown_progressing_and_offers_no_auto_start(ctl):
     proc = add(ctl, "train", state="exited", exit_code=0, ended_at=9.0, reason="exit code 0")
-    ctl.store.put_verdict("train", {"proc_id": proc, "verdict": "progressing", "progress_pct": 98.3, "eta_s": 5.0,
-                                    "reasons": ["progress 2 s ago"], "t": 8.0, "final": False})
+    ctl.store.put_verdict("train", StoredVerdict.from_json({"proc_id": proc, "verdict": "progressing", "progress_pct": 98.3, "eta_s": 5.0,
+                                    "reasons": ["progress 2 s ago"], "t": 8.0, "final": False}))
     ctl.store.close_run(ctl.store.current_run(), reason="training finished (exit 0)")
     status = ctl.status(sample_if_unmonitored=False)
     st = status.stages["train"]
@@ -62,7 +63,7 @@ def test_gpus_says_why_there_is_no_reading(ctl):
     text, _ = answer(ctl, "gpus", [], user="U1")
     assert "no stage has been started" in text
     proc = add(ctl, "extract")
-    ctl.store.put_verdict("extract", {"proc_id": proc, "verdict": "progressing", "reasons": [], "t": 2.0})
+    ctl.store.put_verdict("extract", StoredVerdict.from_json({"proc_id": proc, "verdict": "progressing", "reasons": [], "t": 2.0}))
     ctl.store.add_observation({"t": 2.0, "stage": "extract", "gpus": None,
                                "unknown": {"gpus": "NVML not available: driver not loaded"}}, run_id=None)
     text, _ = answer(ctl, "gpus", [], user="U1")

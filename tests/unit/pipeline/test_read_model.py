@@ -7,7 +7,7 @@ import pytest
 
 from handlers.render.alerts import event_message
 from pipeline.handoff.machine import CANCELLABLE, FOLLOWED, HandoffStep
-from pipeline.observe.verdict import VERDICTS, Verdict, VerdictRecord
+from pipeline.observe.verdict import VERDICTS, StoredVerdict, Verdict, VerdictRecord
 
 
 def test_the_verdicts_are_the_documented_strings_and_only_stalled_and_dead_are_stuck():
@@ -67,8 +67,9 @@ def test_the_status_json_keeps_each_branchs_keys_and_reads_back(tmp_path):
             store.insert_proc({"run_id": run, "stage": stage, "state": "exited", "pid": 7, "argv": "[]",
                                "started_at": 1.0, "ended_at": 9.0, "exit_code": 0, "reason": "exit code 0"})
         extract = store.latest_proc("extract")["id"]
-        store.put_verdict("extract", {"proc_id": extract, "verdict": "done", "stuck": False, "progress_pct": 100.0,
-                                      "reasons": ["exited 0"], "t": 9.5, "done": 10, "total": 10})
+        store.put_verdict("extract", StoredVerdict.from_json({
+            "proc_id": extract, "verdict": "done", "stuck": False, "progress_pct": 100.0, "reasons": ["exited 0"],
+            "t": 9.5, "done": 10, "total": 10}))
         status = ctl.status(sample_if_unmonitored=False)
         out = json.loads(json.dumps(status.to_json()))
     finally:
