@@ -108,6 +108,24 @@ def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host:
     return 0
 
 
+_threads = threading.local()
+
+
+def thread_store(ws: Workspace):
+    """This thread's connection to the workspace's store, opened once and kept (issue 36): each delivery pass,
+    transport record or warning reuses it instead of opening the store (and running its integrity check, a pass
+    over the whole file) again. serve checks the store once at start."""
+    from pipeline.store import Store
+
+    stores = getattr(_threads, "stores", None)
+    if stores is None:
+        stores = _threads.stores = {}
+    store = stores.get(ws.store_path)
+    if store is None:
+        store = stores[ws.store_path] = Store(ws.store_path, check_integrity=False)
+    return store
+
+
 class Delivery:
     """The notifier in its own thread and store connection: a Slack that is slow, rate-limiting
     or down delays no observation, verdict or handoff step. Each pass also posts the run's
@@ -130,7 +148,7 @@ class Delivery:
         from pipeline.controller import Controller
 
         with self.lock:
-            ctl = Controller(workspace=self.ws)
+            ctl = Controller(workspace=self.ws, store=thread_store(self.ws))
             try:
                 status = ctl.status(sample_if_unmonitored=False)
                 if status.run:
@@ -140,23 +158,17 @@ class Delivery:
 
     def one_pass(self) -> None:
         """A new run's status post if it has none yet, then collect and deliver."""
-        from pipeline.store import Store
-
-        store = Store(self.ws.store_path)
-        try:
-            if self.notifier.needs_status(store):
-                self.post_status()
-            with self.lock:
-                self.notifier.tick(store)
-        finally:
-            store.close()
+        store = thread_store(self.ws)
+        if self.notifier.needs_status(store):
+            self.post_status()
+        with self.lock:
+            self.notifier.tick(store)
 
     def check_auth(self) -> None:
         """`auth.test` once: a refused token is one line in the log and in `eagle3 status`, at start
         rather than at the first post. An unreachable Slack is tried again on a later pass."""
         from slack_sdk.errors import SlackApiError
 
-        from pipeline.store import Store
 
         try:
             r = self.notifier.client.auth_test()
@@ -172,11 +184,7 @@ class Delivery:
                       error)
         except OSError:
             return
-        store = Store(self.ws.store_path)
-        try:
-            store.put(KV.SLACK_AUTH, result)
-        finally:
-            store.close()
+        thread_store(self.ws).put(KV.SLACK_AUTH, result)
         self.auth_checked = True
 
     def _loop(self) -> None:
@@ -193,7 +201,6 @@ class Delivery:
     def close(self) -> None:
         """Stop the thread, then drain: what the last ticks made is delivered (paced, for up to
         DRAIN_S) unless Slack is failing; whatever is left stays in the outbox for the next start."""
-        from pipeline.store import Store
 
         self.stopping.set()
         self.thread.join(timeout=30)
@@ -204,11 +211,8 @@ class Delivery:
             except Exception:  # noqa: BLE001
                 log.exception("last slack delivery pass failed; the messages stay in the outbox")
                 return
-            store = Store(self.ws.store_path)
-            try:
-                due = [m for m in store.pending_messages(channel=self.notifier.channel) if m["next_try"] <= time.time()]
-            finally:
-                store.close()
+            due = [m for m in thread_store(self.ws).pending_messages(channel=self.notifier.channel)
+                   if m["next_try"] <= time.time()]
             if not due or time.monotonic() >= deadline:
                 return
             time.sleep(0.2)
@@ -339,13 +343,8 @@ class Inputs:
                   "Slack spreads commands over them at random, so another eagle3 serve may answer for this one. "
                   "Give each host (or controller) its own Slack app")
         log.warning("slack: %s", reason)
-        from pipeline.store import Store
-
-        store = Store(self.ws.store_path)
-        try:
-            store.add_event(kind="transport-warning", run_id=store.current_run(), data={"reason": reason})
-        finally:
-            store.close()
+        store = thread_store(self.ws)
+        store.add_event(kind="transport-warning", run_id=store.current_run(), data={"reason": reason})
 
     def _on_close(self, code: int, reason: str | None = None) -> None:
         if not self.stopping.is_set():
@@ -353,16 +352,11 @@ class Inputs:
                      f", {reason}" if reason else "")
 
     def _record(self, state: str, error: str | None, **extra) -> None:
-        from pipeline.store import Store
-
-        store = Store(self.ws.store_path)
-        try:
-            old = store.get(KV.TRANSPORT) or {}
-            since = old.get("since") if old.get("state") == state else time.time()
-            store.put(KV.TRANSPORT, {"kind": self.kind, "state": state, "error": error, "since": since,
-                                    "pid": os.getpid(), **extra})
-        finally:
-            store.close()
+        store = thread_store(self.ws)
+        old = store.get(KV.TRANSPORT) or {}
+        since = old.get("since") if old.get("state") == state else time.time()
+        store.put(KV.TRANSPORT, {"kind": self.kind, "state": state, "error": error, "since": since,
+                                "pid": os.getpid(), **extra})
 
     CLOSE_WAIT_S = 10.0
 

@@ -195,3 +195,10 @@ def test_no_string_keyed_read_of_a_verdict_field_outside_the_store():
             if hits:
                 offenders[str(p.relative_to(ROOT))] = hits
     assert offenders == {}
+
+
+def test_the_service_keeps_one_store_per_thread():
+    """bot/service.py opens the store once at start (its check) and once per thread (`thread_store`), never per
+    pass (issue 36): a pass a second used to run the integrity check over the whole file each time."""
+    text = (ROOT / "bot" / "service.py").read_text()
+    assert text.count("Store(") == 2 and "def thread_store" in text
