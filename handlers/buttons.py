@@ -5,7 +5,6 @@ allowed channel may press it (it sets a reminder for the channel, nothing else).
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 from handlers.render.alerts import ACTION_LOGS, ACTION_SNOOZE
@@ -39,6 +38,7 @@ def register(app, *, controller_factory, ws) -> None:
         user = (body.get("user") or {}).get("id", "?")
         channel = (body.get("channel") or {}).get("id")
         ctl = controller_factory()
+        later = None  # slow work (a stop's grace period, verifying sample files): run after the message is updated
         try:
             moot = meaningless(ctl, action_id, action)
             if moot:  # drawn for a state that has passed: say so, with the state as it is now
@@ -52,12 +52,11 @@ def register(app, *, controller_factory, ws) -> None:
                 from handlers.slash import train_later
 
                 ctl.audit(user=f"slack:{user}", channel=channel, action="train", outcome="accepted")
-                threading.Thread(target=train_later, args=(controller_factory, user, respond), daemon=True).start()
+                later = lambda: train_later(controller_factory, user, respond)  # noqa: E731
                 result = "verifying sample files, then starting training…"
             elif action_id == ACTION_CONFIRM:
                 ctl.audit(user=f"slack:{user}", channel=channel, action=_describe(action), outcome="confirmed")
-                threading.Thread(target=_stop_later, args=(controller_factory, action, user, respond),
-                                 daemon=True).start()  # the grace period is far longer than Slack's 3 s
+                later = lambda: _stop_later(controller_factory, action, user, respond)  # noqa: E731
                 result = f"{_describe(action)} requested; I'll report when it is done"
             else:
                 try:
@@ -79,6 +78,8 @@ def register(app, *, controller_factory, ws) -> None:
             respond(text=text, blocks=blocks, replace_original=True)
         else:
             client.chat_update(channel=channel, ts=container["message_ts"], text=text, blocks=blocks)
+        if later:  # Slack had its ack long ago: this runs on in Bolt's bounded listener pool, no thread of our own
+            later()
 
     for action_id in LABELS:
         app.action(action_id)(handle)
