@@ -138,3 +138,23 @@ def test_each_format_drives_the_eta(tmp_path):
                 assert v.verdict == "progressing" and v.eta_s is not None, (name, k, v.reasons, v.eta_note)
                 assert v.eta_low_s <= truth <= v.eta_high_s and abs(v.eta_s - truth) <= 0.1 * truth, (name, k, v)
     writer.close()
+
+
+def test_the_handoffs_fresh_read_catches_up_to_the_last_step(tmp_path, monkeypatch):
+    """`finished` reads a long event file to its end (a fresh reader catches up over several reads), so an
+    exit0-and-total training is not judged short because the first read stopped part way."""
+    from pipeline.config import load_workspace
+    from pipeline.observe import done
+    from pipeline.observe.probes import tensorboard
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "events.out.tfevents.1.h").write_bytes(b"".join(record(k, 1.0 / k) for k in range(1, 301)))
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text('[stages.train]\nargv = ["true"]\nprogress = "tensorboard"\nprogress_dir = "runs"\n'
+                   'progress_tag = "train/loss"\nprogress_total = 300\ndone_when = "exit0-and-total"\n')
+    monkeypatch.setattr(tensorboard, "READ_PER_TICK", 2048)  # a few dozen records a read
+    ws = load_workspace(cfg)
+    assert done.finished(ws, "train") is None
+    (runs / "events.out.tfevents.1.h").write_bytes(b"".join(record(k, 1.0 / k) for k in range(1, 300)))
+    assert "step 299 of 300" in done.finished(ws, "train")
