@@ -334,7 +334,7 @@ class Controller:
             stopped = proc["state"] == StageState.STOPPED
             why = (f"stopped on request ({proc['reason']})" if proc["stop_requested"] else proc["reason"]) if stopped \
                 else f"ended ({proc['reason']}); its verdict comes with the next observation"
-            v = replace(v, verdict=Verdict.STOPPED if stopped else Verdict.UNKNOWN, stuck=False, eta_s=None,
+            v = replace(v, verdict=Verdict.STOPPED if stopped else Verdict.UNKNOWN, eta_s=None,
                         eta_low_s=None, eta_high_s=None, reasons=(why,))
         obs = self.store.latest_observation(stage) or {}
         fields = {k: getattr(v, k) for k in StoredVerdict.STATUS_FIELDS}

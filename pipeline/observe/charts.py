@@ -105,7 +105,7 @@ def render_run(store, stage: str, *, out: Path, run: str | None = None, since: f
     events = [e for e in store.events() if e.get("stage") == stage and (not run or e.get("run_id") == run)
               and (since is None or e["t"] >= since)]
     stored = store.verdict(stage)
-    verdict = stored if stored and (not run or stored.run == run) else StoredVerdict()
+    verdict = stored if stored and (not run or stored.run == run) else None  # another run's: recomputed
     return render(obs, stage=stage, out=out, events=events, verdict=verdict,
                   title=title or f"eagle3 — {stage}" + (f", run {run}" if run else "")), len(obs), run
 

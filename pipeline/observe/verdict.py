@@ -99,57 +99,38 @@ class VerdictRecord:
 
 
 @dataclass(frozen=True)
-class StoredVerdict:
-    """A stage's verdict as the store keeps it each tick: the replay's fields (`VerdictRecord.replay_json`) and
-    what status, the handoff, the notifier and the charts read (which process, which run, final, counts, rates).
-    Declared once: the sampler writes it (`of`), the store reads it back (`from_json`), everyone reads fields."""
+class StoredVerdict(VerdictRecord):
+    """A stage's verdict as the store keeps it each tick: the diagnosis (`VerdictRecord`'s fields) and which
+    process and run it is of, and whether that process had ended (`final`). Written by the sampler (`of`), read
+    back by the store (`from_json`); everyone reads fields by attribute."""
 
-    t: float | None = None
-    stage: str | None = None
-    verdict: str | None = None
-    stuck: bool | None = None
-    progress_pct: float | None = None
-    eta_s: float | None = None
-    eta_low_s: float | None = None
-    eta_high_s: float | None = None
-    reasons: tuple[str, ...] = ()
     proc_id: int | None = None
     run: str | None = None
     final: bool = False
-    done: int | None = None
-    failed: int | None = None
-    total: int | None = None
-    rate_samples_per_s: float | None = None
-    rate_tokens_per_s: float | None = None
-    last_progress_at: float | None = None
-    deadline_s: float | None = None
-    eta_note: str | None = None
 
     STATUS_FIELDS = ("stuck", "progress_pct", "eta_s", "eta_low_s", "eta_high_s", "done", "failed", "total",
                      "rate_samples_per_s", "rate_tokens_per_s", "last_progress_at", "eta_note")
 
     @staticmethod
     def of(v: VerdictRecord, *, proc_id: int, run: str | None, final: bool) -> StoredVerdict:
-        return StoredVerdict.from_json({**v.replay_json(), "proc_id": proc_id, "run": run, "final": final,
-                                        **{k: getattr(v, k) for k in ("done", "failed", "total", "rate_samples_per_s",
-                                                                      "rate_tokens_per_s", "last_progress_at",
-                                                                      "deadline_s", "eta_note")}})
+        return StoredVerdict(**{k: getattr(v, k) for k in VerdictRecord.__dataclass_fields__}, proc_id=proc_id,
+                             run=run, final=final)
 
     @staticmethod
     def from_json(d: dict | None) -> StoredVerdict | None:
-        """The record from the store's JSON (keys it does not know are ignored, missing ones None)."""
+        """The record from the store's JSON (keys it does not know, `stuck` among them, are ignored), or None."""
         if not isinstance(d, dict):
             return None
         known = {k: d[k] for k in StoredVerdict.__dataclass_fields__ if k in d}
+        known.setdefault("t", None)
+        known.setdefault("stage", None)
+        known["verdict"] = known.get("verdict") or Verdict.UNKNOWN
         known["reasons"] = tuple(known.get("reasons") or ())
         known["final"] = bool(known.get("final"))
         return StoredVerdict(**known)
 
     def to_json(self) -> dict:
-        return {k: (list(v) if k == "reasons" else v) for k, v in self.__dict__.items()}
-
-    def eta_known(self) -> bool:
-        return self.eta_s is not None
+        return {**{k: (list(v) if k == "reasons" else v) for k, v in self.__dict__.items()}, "stuck": self.stuck}
 
 
 def num(d: dict | None, key: str) -> float | None:

@@ -73,7 +73,7 @@ def test_the_stall_is_marked_where_the_stored_event_says_and_a_finished_chart_pr
     obs = simulate(Scenario("stall", samples=600, stall_at_s=300)).observations
     at = obs[len(obs) // 2]["t"] + 17.0  # not on a tick: only the stored event can put it there
     fig = draw(obs, stage="extract", events=[{"kind": "verdict", "t": at, "data": {"to": "stalled"}}],
-               verdict=StoredVerdict(verdict="stalled"))
+               verdict=StoredVerdict(t=at, stage="extract", verdict="stalled"))
     try:
         ax = fig.axes[0]
         xs = [line.get_xdata()[0] for line in ax.get_lines()
@@ -83,8 +83,8 @@ def test_the_stall_is_marked_where_the_stored_event_says_and_a_finished_chart_pr
         assert ax.get_ylim()[0] == 0 and fig.axes[1].get_ylim()[0] == 0  # progress and rate from 0
     finally:
         plt.close(fig)
-    done = draw(obs, stage="extract", verdict=StoredVerdict(verdict="done", eta_s=0.0, final=True))
-    running = draw(obs, stage="extract", verdict=StoredVerdict(verdict="progressing", eta_s=600.0, eta_low_s=500.0,
+    done = draw(obs, stage="extract", verdict=StoredVerdict(t=0.0, stage="extract", verdict="done", eta_s=0.0, final=True))
+    running = draw(obs, stage="extract", verdict=StoredVerdict(t=0.0, stage="extract", verdict="progressing", eta_s=600.0, eta_low_s=500.0,
                                                                eta_high_s=700.0))
     try:
         assert "projected (ETA)" not in done.axes[0].get_legend_handles_labels()[1]
