@@ -111,21 +111,21 @@ def not_done(rule: dict | None, prog: dict | None) -> str | None:
     return None
 
 
-CATCH_UP_READS = 120  # a fresh event-file reader reads at most 64 MiB / 0.5 s a call: enough calls for ~7 GiB
+CATCH_UP_READS = 120  # an incremental reader reads a bounded amount a call (event files 64 MiB / 0.5 s, a log 8 MiB)
 
 
 def finished(ws: Workspace, stage: str, *, clock=time.time) -> str | None:
     """For the handoff, once `stage` exited 0: why it is not done (None: it is). Progress read afresh, to the end
-    of the stage's files (an event-file reader catches up over several reads)."""
+    of the stage's files (an incremental reader — event files, a log tail — catches up over several reads)."""
     rule = evidence(ws, stage)
     if rule["rule"] == "exit0":
         return None
     readers: dict = {}
     call = progress_call(ws, stage, None, clock=clock, readers=readers)
     reading = call() if call else None
-    board = readers.get(stage)
+    reader = readers.get(stage)
     for _ in range(CATCH_UP_READS):
-        if not isinstance(board, TensorboardProgress) or board.reader is None or not board.reader.behind:
+        if not getattr(reader, "behind", False):
             break
         reading = call()
     prog = reading.value if reading is not None and not reading.unknown else None

@@ -83,22 +83,27 @@ def _last_validation(path: Path) -> dict:
     return {}
 
 
+READ_PER_CALL = 8 << 20  # a log tail reads at most this much a call; a long log is caught up over calls
+
+
 class LogProgress:
     """Tails a stage log from its last offset; a regex with groups `done` and `total` gives progress."""
 
     def __init__(self, path: Path, pattern: str, *, clock=time.time) -> None:
         self.path, self.regex, self.clock = Path(path), re.compile(pattern), clock
         self.offset, self.inode, self.last = 0, None, None
+        self.behind = False  # the last read stopped at READ_PER_CALL with more of the log to read
 
     def read(self) -> Reading:
-        """The last matching line's done/total."""
+        """The last matching line's done/total (at most READ_PER_CALL of new log a call)."""
         try:
             st = os.stat(self.path)
             if st.st_ino != self.inode or st.st_size < self.offset:  # rotated or truncated
                 self.inode, self.offset = st.st_ino, 0
             with open(self.path, "rb") as fh:
                 fh.seek(self.offset)
-                data = fh.read(8 << 20)
+                data = fh.read(READ_PER_CALL)
+            self.behind = self.offset + len(data) < st.st_size
         except OSError as exc:
             return unknown(f"{self.path}: {exc.strerror}", clock=self.clock)
         cut = data.rfind(b"\n") + 1  # only whole lines

@@ -183,6 +183,11 @@ class TensorboardProgress:
         # catch-up on a busy filesystem) may still be running: one read at a time
         self.lock = threading.Lock()
 
+    @property
+    def behind(self) -> bool:
+        """The last read stopped short of the files' end (a catch-up continues next call)."""
+        return self.reader is not None and self.reader.behind
+
     def read(self) -> Reading:
         if self.reader is None:
             return unknown("progress_dir is not configured", clock=self.clock)

@@ -158,3 +158,17 @@ def test_the_handoffs_fresh_read_catches_up_to_the_last_step(tmp_path, monkeypat
     assert done.finished(ws, "train") is None
     (runs / "events.out.tfevents.1.h").write_bytes(b"".join(record(k, 1.0 / k) for k in range(1, 300)))
     assert "step 299 of 300" in done.finished(ws, "train")
+
+
+def test_the_handoffs_fresh_read_of_a_long_log_catches_up_too(tmp_path, monkeypatch):
+    """The same catch-up for a log-regex source: a fresh tail reads a bounded amount a call."""
+    from pipeline.config import load_workspace
+    from pipeline.observe import done
+    from pipeline.observe.probes import progress
+
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text('[stages.train]\nargv = ["true"]\nprogress = "log-regex"\nlog = "train.log"\n'
+                   'progress_regex = "step (?P<done>\\\\d+)/(?P<total>\\\\d+)"\ndone_when = "exit0-and-total"\n')
+    (tmp_path / "train.log").write_text("".join(f"step {k}/300 loss 0.1\n" for k in range(1, 301)))
+    monkeypatch.setattr(progress, "READ_PER_CALL", 512)
+    assert done.finished(load_workspace(cfg), "train") is None
