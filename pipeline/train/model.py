@@ -20,7 +20,6 @@ loss weighs 0.8^k.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.train import rope
+from pipeline.train.attention import ttt_attention
 
 STEP_WEIGHT = 0.8
 
@@ -98,39 +98,14 @@ class Attention(nn.Module):
         self.rope = rope.build(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """q [B, nh, T, D], k/v [B, nh, T, D] (KV heads repeated for GQA), RoPE applied."""
+        """q [B, heads, T, D], k/v [B, kv_heads, T, D] (never repeated for GQA), RoPE applied."""
         c = self.c
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.rope.tables(positions)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = c.num_attention_heads // c.num_key_value_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return q, k, v
-
-
-def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                  key_mask: torch.Tensor) -> torch.Tensor:
-    """Step len(cache)-1's attention: causal over the step-0 keys, plus the diagonal of steps 1..k.
-
-    q [B, nh, T, D]; cache[i] = (k_i, v_i) of step i; key_mask [B, T] (False = padding).
-    Returns [B, nh, T, D].
-    """
-    k0, v0 = cache[0]
-    T, D = q.shape[2], q.shape[3]
-    scale = 1.0 / math.sqrt(D)
-    s0 = (q @ k0.transpose(-1, -2)) * scale
-    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None] & key_mask[:, None, None, :]
-    s0 = s0.masked_fill(~allowed, float("-inf"))
-    diag = [(q * k).sum(-1, keepdim=True) * scale for k, _ in cache[1:]]
-    w = torch.cat([s0, *diag], dim=-1).float().softmax(-1).to(q.dtype)
-    out = w[..., :T] @ v0
-    for i, (_, v) in enumerate(cache[1:]):
-        out = out + w[..., T + i: T + i + 1] * v
-    return out
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -153,12 +128,13 @@ class MidLayer(nn.Module):
         self.self_attn = Attention(c)
         self.mlp = MLP(c)
 
-    def forward(self, emb, hidden, positions, cache, key_mask):
+    def forward(self, emb, hidden, positions, cache):
+        """One unrolled step; `cache` holds the (k, v) of the steps before it and gains this step's."""
         residual = hidden
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         q, k, v = self.self_attn.project(x, positions)
         cache.append((k, v))
-        att = ttt_attention(q, cache, key_mask)
+        att = ttt_attention(q, *cache[0], cache[1:])
         B, _, T, _ = att.shape
         h = residual + self.self_attn.o_proj(att.transpose(1, 2).reshape(B, T, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -198,9 +174,9 @@ class Eagle3Draft(nn.Module):
         """Target id of each draft id (SGLang's hot_token_id = d2t + arange)."""
         return self.d2t + torch.arange(self.d2t.shape[0], device=self.d2t.device)
 
-    def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, key_mask: torch.Tensor, steps: int,
-               *, zero_aux: bool = False) -> list[torch.Tensor]:
-        """Draft logits [B, T, Vd] of each step (see the module docstring for the alignment)."""
+    def unroll(self, aux: torch.Tensor, tokens: torch.Tensor, steps: int, *, zero_aux: bool = False) -> list[torch.Tensor]:
+        """Draft logits [B, T, Vd] of each step (see the module docstring for the alignment). Samples are
+        right-padded, so the causal mask alone keeps padding away from every real row."""
         B, T = tokens.shape
         hidden = self.fc(torch.zeros_like(aux) if zero_aux else aux)
         base = torch.arange(T, device=tokens.device)
@@ -209,44 +185,104 @@ class Eagle3Draft(nn.Module):
         for k in range(steps):
             shifted = F.pad(tokens[:, 1 + k:], (0, 1 + k))[:, :T]
             emb = self.embed_tokens[shifted]
-            hidden = self.midlayer(emb, hidden, base + k, cache, key_mask)
+            hidden = self.midlayer(emb, hidden, base + k, cache)
             out.append(self.lm_head(self.norm(hidden)))
         return out
 
     def forward(self, batch: dict, target: dict, *, steps: int):
-        """(weighted loss, weighted target entropy, per-step (top-1 hits, count)), called through DDP."""
-        logits = self.unroll(batch["aux"], batch["token_ids"], batch["mask"], steps)
+        """(weighted loss, weighted target entropy, top-1 hits and counts [steps, 2] on the device), called
+        through DDP."""
+        logits = self.unroll(batch["aux"], batch["token_ids"], steps)
         return step_losses(logits, target)
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """−Σ p·log softmax(x) per row, in float32, keeping only x (in its own dtype) for the backward: no float32
+    copy of the logits, no log-softmax tensor, lives past the call."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        with torch.autocast(x.device.type, enabled=False):
+            return _SoftCrossEntropy._forward(ctx, x, p)
+
+    @staticmethod
+    def _forward(ctx, x, p):
+        xf = x.float()
+        lse = torch.logsumexp(xf, -1)
+        mass = p.sum(-1)
+        ctx.save_for_backward(x, p, lse, mass)
+        return lse * mass - (p * xf).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, p, lse, mass = ctx.saved_tensors
+        q = torch.exp(x.float() - lse[..., None])
+        return ((q * mass[..., None] - p) * grad[..., None]).to(x.dtype), None
+
+
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits against a target distribution p [..., V] → [...] (float32)."""
+    return _SoftCrossEntropy.apply(logits, p)
+
+
 def step_losses(logits: list[torch.Tensor], target: dict):
-    """Soft cross-entropy of each step against the target rows it predicts, weighted 0.8^k."""
-    p, valid, top = target["p"], target["valid"], target["top"]
+    """Soft cross-entropy of each step against the target rows it predicts, weighted 0.8^k.
+
+    Nothing here waits for the device: the hit counts stay on it ([steps, 2]: top-1 hits, rows) until the
+    caller reads them at log time, and the target's entropy comes with the target (computed once per batch).
+    """
+    p, valid, top, ent = target["p"], target["valid"], target["top"], target["ent"]
     T = p.shape[1]
-    losses, ents, acc, weights = [], [], [], []
+    loss, entropy, total, acc = 0.0, 0.0, 0.0, []
     for k, lg in enumerate(logits):
         shift = 1 + k
         if T - shift < 1:
             break
-        pk = p[:, shift:]
         vk = valid[:, shift:]
-        logq = F.log_softmax(lg[:, : T - shift].float(), dim=-1)
         n = vk.sum().clamp_min(1)
-        losses.append((-(pk * logq).sum(-1))[vk].sum() / n)
-        ents.append((-(pk * torch.log(pk.clamp_min(1e-30))).sum(-1))[vk].sum() / n)
-        acc.append((int(((logq.argmax(-1) == top[:, shift:]) & vk).sum()), int(vk.sum())))
-        weights.append(STEP_WEIGHT ** k)
-    w = torch.tensor(weights, device=p.device)
-    return (torch.stack(losses) * w).sum() / w.sum(), ((torch.stack(ents) * w).sum() / w.sum()).detach(), acc
+        w = STEP_WEIGHT ** k
+        ce = soft_cross_entropy(lg[:, : T - shift], p[:, shift:])
+        loss = loss + w * torch.where(vk, ce, 0.0).sum() / n
+        entropy = entropy + w * torch.where(vk, ent[:, shift:], 0.0).sum() / n
+        total += w
+        acc.append(torch.stack([((lg[:, : T - shift].argmax(-1) == top[:, shift:]) & vk).sum(), vk.sum()]))
+    return loss / total, (entropy / total).detach(), torch.stack(acc)
 
 
-def build_target(batch: dict, model: Eagle3Draft, head: torch.Tensor | None, final_norm=None) -> dict:
+class TargetHead:
+    """The target's LM head on the training device, with the draft vocabulary's rows gathered once."""
+
+    CHUNK = 16384  # vocabulary rows per product in the full-vocabulary argmax
+
+    def __init__(self, head: torch.Tensor, model: Eagle3Draft) -> None:
+        self.full = head
+        self.rows = head[model.hot_ids().to(head.device)].contiguous()
+
+    def argmax(self, final: torch.Tensor) -> torch.Tensor:
+        """The target's top token over the whole vocabulary, a chunk of rows at a time (never [B, T, V]);
+        ties go to the lower id, as torch.argmax's."""
+        best_val, best_id = None, None
+        for start in range(0, self.full.shape[0], self.CHUNK):
+            val, idx = (final @ self.full[start: start + self.CHUNK].T).max(-1)
+            idx = idx + start
+            if best_val is None:
+                best_val, best_id = val, idx
+            else:
+                better = val > best_val
+                best_val, best_id = torch.where(better, val, best_val), torch.where(better, idx, best_id)
+        return best_id
+
+
+def build_target(batch: dict, model: Eagle3Draft, head: TargetHead | torch.Tensor | None, final_norm=None) -> dict:
     """The training target in draft-vocabulary space.
 
     p [B, T, Vd]: row r is the target's distribution after position r, restricted to the draft
     vocabulary and renormalised; valid [B, T]: row r counts (the token it predicts, r+1, is in
     the sample and loss-masked in, and the target's top token is in the draft vocabulary);
-    top [B, T]: the target's top token as a draft id.
+    top [B, T]: the target's top token as a draft id; ent [B, T]: p's entropy.
+
+    From the final hidden state: the product runs in the head's dtype (bf16 on a GPU) over the draft rows
+    only, and the softmax in float32; the full vocabulary is only needed for the argmax, taken by chunks.
     """
     mask = batch["mask"]
     B, T = mask.shape
@@ -257,12 +293,14 @@ def build_target(batch: dict, model: Eagle3Draft, head: torch.Tensor | None, fin
     hot = model.hot_ids()
     with torch.no_grad():
         if "final" in batch:
+            if not isinstance(head, TargetHead):
+                head = TargetHead(head, model)
             final = batch["final"]
             if final_norm is not None:
                 final = final_norm(final)
-            logits = (final.to(head.dtype) @ head.T).float()  # head: `frozen` (bf16 on a GPU: no fp32 copy per step)
-            tgt = logits.argmax(-1)
-            p = logits[..., hot].softmax(-1)
+            final = final.to(head.full.dtype)
+            p = (final @ head.rows.T).float().softmax(-1)
+            tgt = head.argmax(final)
         else:
             ids, logp = batch["topk_ids"], batch["topk_logprobs"].float()
             to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=ids.device)
@@ -275,7 +313,8 @@ def build_target(batch: dict, model: Eagle3Draft, head: torch.Tensor | None, fin
         to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=tgt.device)
         to_draft[hot] = torch.arange(hot.shape[0], device=tgt.device)
         top = to_draft[tgt]
-    return {"p": p, "valid": predicts & t2d[tgt], "top": top}
+        ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+    return {"p": p, "valid": predicts & t2d[tgt], "top": top, "ent": ent}
 
 
 def draft_vocab(counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.draft.sglang import SglangDraft, check_export, load_rules, read_export
 from pipeline.errors import UserError
+from pipeline.train.attention import ttt_attention
 from pipeline.train.export import NAMES, export_checkpoint
-from pipeline.train.model import DraftConfig, Eagle3Draft, build_target, draft_vocab, ttt_attention
+from pipeline.train.model import DraftConfig, Eagle3Draft, build_target, draft_vocab
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,19 +43,15 @@ def test_ttt_attention_on_a_hand_computed_case():
     k1 = torch.tensor([0.5, -1.0, 4.0]).view(1, 1, 3, 1)
     v1 = torch.tensor([-5.0, 7.0, 1.0]).view(1, 1, 3, 1)
     q = torch.tensor([1.0, 0.5, -1.0]).view(1, 1, 3, 1)
-    out = ttt_attention(q, [(k0, v0), (k1, v1)], torch.ones(1, 3, dtype=torch.bool))[0, 0, :, 0]
+    out = ttt_attention(q, k0, v0, [(k1, v1)])[0, 0, :, 0]
     for j in range(3):
         scores = [q.flatten()[j] * k0.flatten()[i] for i in range(j + 1)] + [q.flatten()[j] * k1.flatten()[j]]
         w = torch.tensor(scores).softmax(0)
         values = [v0.flatten()[i] for i in range(j + 1)] + [v1.flatten()[j]]
         assert out[j].item() == pytest.approx(sum(float(a) * float(b) for a, b in zip(w, values, strict=True)), rel=1e-6)
     # step 0 alone is plain causal attention
-    out0 = ttt_attention(q, [(k0, v0)], torch.ones(1, 3, dtype=torch.bool))[0, 0, 0, 0]
+    out0 = ttt_attention(q, k0, v0, [])[0, 0, 0, 0]
     assert out0.item() == pytest.approx(10.0)
-    # a padded key is never attended to
-    padded = ttt_attention(q, [(k0, v0), (k1, v1)], torch.tensor([[True, False, True]]))[0, 0, 1, 0]
-    w = torch.tensor([0.5 * 1.0, 0.5 * -1.0]).softmax(0)
-    assert padded.item() == pytest.approx(float(w[0] * 10 + w[1] * 7), rel=1e-6)
 
 
 def _export_tensors(m: Eagle3Draft) -> dict:
@@ -75,7 +72,7 @@ def test_training_unroll_equals_sglang_chain_drafting_with_positions():
     tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
     aux = torch.randn(1, T, 3 * cfg.hidden_size, generator=g)
     with torch.no_grad():
-        unrolled = m.unroll(aux, tokens, torch.ones(1, T, dtype=torch.bool), steps)
+        unrolled = m.unroll(aux, tokens, steps)
     loaded, problems = load_rules(_sglang_config(cfg), _export_tensors(m))
     assert problems == []
     sg = SglangDraft(loaded, m.embed_tokens)
@@ -237,7 +234,7 @@ def test_rope_scaling_is_trained_as_served_and_changes_the_drafts_logits():
     tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
     aux = torch.randn(1, T, 3 * cfg.hidden_size, generator=g)
     with torch.no_grad():
-        unrolled = m.unroll(aux, tokens, torch.ones(1, T, dtype=torch.bool), 1)[0][0]
+        unrolled = m.unroll(aux, tokens, 1)[0][0]
     config = _sglang_config(cfg)
     assert config["rope_scaling"] == scaling
 
