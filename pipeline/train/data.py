@@ -154,7 +154,11 @@ def batches(samples: list[SampleInfo], *, budget: int, seed: int, epoch: int) ->
 
 
 def load_batch(batch: list[SampleInfo], *, bad: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Pad a batch: token_ids [B, T], aux [B, T, 3H], final [B, T, H] or top-K, mask and loss_mask [B, T]."""
+    """Pad a batch: token_ids [B, T], aux [B, T, 3H], final [B, T, H] or top-K, mask and loss_mask [B, T].
+
+    Hidden states keep the dtype they were stored in (bf16 from a real extraction: half the bytes to copy);
+    `to_device` gives the CPU trainer float32. Padding is on the right (the attention relies on it).
+    """
     from safetensors.torch import load_file
 
     loaded = []
@@ -172,18 +176,18 @@ def load_batch(batch: list[SampleInfo], *, bad: list[str] | None = None) -> dict
     T = max(t["token_ids"].shape[0] for t in loaded)
     B = len(loaded)
     hs0 = loaded[0]["hidden_states"]
-    H = hs0.shape[2]
+    H, dtype = hs0.shape[2], hs0.dtype
     out = {"token_ids": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T, dtype=torch.bool),
-           "loss_mask": torch.zeros(B, T, dtype=torch.bool), "aux": torch.zeros(B, T, 3 * H)}
+           "loss_mask": torch.zeros(B, T, dtype=torch.bool), "aux": torch.zeros(B, T, 3 * H, dtype=dtype)}
     if hs0.shape[1] == 4:
-        out["final"] = torch.zeros(B, T, H)
+        out["final"] = torch.zeros(B, T, H, dtype=dtype)
     else:
         k = loaded[0]["target_topk_ids"].shape[1]
         out["topk_ids"] = torch.zeros(B, T, k, dtype=torch.long)
         out["topk_logprobs"] = torch.full((B, T, k), -1e4)
     for b, t in enumerate(loaded):
         n = t["token_ids"].shape[0]
-        hs = t["hidden_states"].float()
+        hs = t["hidden_states"]
         out["token_ids"][b, :n] = t["token_ids"]
         out["mask"][b, :n] = True
         out["loss_mask"][b, :n] = t["loss_mask"].bool() if "loss_mask" in t else True
@@ -194,3 +198,58 @@ def load_batch(batch: list[SampleInfo], *, bad: list[str] | None = None) -> dict
             out["topk_ids"][b, :n] = t["target_topk_ids"]
             out["topk_logprobs"][b, :n] = t["target_topk_logprobs"].float()
     return out
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch on the training device: on a GPU copied as stored (bf16 stays bf16; autocast reads it),
+    without waiting when the loader pinned it; on the CPU floating tensors become float32."""
+    if device.type == "cpu":
+        return {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class EpochBatches:
+    """This rank's batches, numbered from 1 across epochs (--grad-accum of them per step): a pure function of
+    (seed, number), so resume is exact. Each epoch's batching is computed once, when its first batch is asked."""
+
+    def __init__(self, samples: list[SampleInfo], *, budget: int, seed: int, world: int, rank: int) -> None:
+        self.samples, self.budget, self.seed, self.world, self.rank = samples, budget, seed, world, rank
+        self.per_rank = max(1, len(batches(samples, budget=budget, seed=seed, epoch=0)) // world)
+        self.epoch, self.order = None, []
+
+    def __call__(self, number: int) -> list[SampleInfo]:
+        epoch, i = divmod(number - 1, self.per_rank)
+        if epoch != self.epoch:
+            self.epoch, self.order = epoch, batches(self.samples, budget=self.budget, seed=self.seed, epoch=epoch)
+        return self.order[(i * self.world + self.rank) % len(self.order)]
+
+
+class BatchStream(torch.utils.data.Dataset):
+    """Batches `first`..`last` of one rank, loaded and padded (in worker processes when asked), each with the
+    files --skip-bad left out of it."""
+
+    def __init__(self, plan: EpochBatches, first: int, last: int, *, skip_bad: bool) -> None:
+        self.plan, self.first, self.last, self.skip_bad = plan, first, last, skip_bad
+
+    def __len__(self) -> int:
+        return max(0, self.last - self.first + 1)
+
+    def __getitem__(self, i: int):
+        bad = [] if self.skip_bad else None
+        return load_batch(self.plan(self.first + i), bad=bad), bad or []
+
+
+def _quiet_worker(_: int) -> None:
+    """A loader worker ignores SIGTERM/SIGINT: the trainer saves its checkpoint on SIGTERM and needs the next
+    batch meanwhile; the workers end with it."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def loader(stream: BatchStream, *, workers: int, pin: bool, prefetch: int = 2):
+    """Batches in order, prepared ahead by `workers` processes (0: in this process), pinned for a GPU."""
+    return torch.utils.data.DataLoader(
+        stream, batch_size=None, shuffle=False, num_workers=workers, pin_memory=pin,
+        prefetch_factor=prefetch if workers else None, worker_init_fn=_quiet_worker if workers else None)

@@ -21,11 +21,22 @@ from pipeline.config import RUN_ENV
 from pipeline.draft import capture
 from pipeline.errors import UserError
 from pipeline.train import checkpoint, rope
-from pipeline.train.data import Corpus, batches, load_batch, load_corpus, token_counts
+from pipeline.train.data import (
+    BatchStream,
+    Corpus,
+    EpochBatches,
+    batches,
+    load_batch,
+    load_corpus,
+    loader,
+    to_device,
+    token_counts,
+)
 from pipeline.train.model import (
     DraftConfig,
     Eagle3Draft,
     RMSNorm,
+    TargetHead,
     build_target,
     draft_vocab,
     frozen,
@@ -91,6 +102,9 @@ def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) ->
     p.add_argument("--grad-accum", type=int, default=1,
                    help="batches per optimizer step on each rank (default 1): the effective batch is "
                         "token budget × ranks × this")
+    p.add_argument("--workers", type=int,
+                   help="processes that load and pad the next batches while the GPU computes (default 4 on a GPU, "
+                        "0 on the CPU, where they would compete with training for the same cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--save-every", type=int, default=50)
@@ -122,15 +136,18 @@ class Dist:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never bind another interface
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
-    def mean(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+    def mean(self, values: list) -> list[float]:
+        """The ranks' mean of each value (numbers, or 0-d tensors on this rank's device): one read."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
         if self.world > 1:
             dist.all_reduce(t)
             t /= self.world
         return t.tolist()
 
     def any(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0])
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)  # NCCL reduces GPU tensors only
         if self.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
@@ -205,16 +222,17 @@ def draft_config(args, corpus: Corpus, target: Target) -> DraftConfig:
                                         model=corpus.identity.get("model")), aux_ids=capture.AUX_IDS_EAGLE_CONFIG)
 
 
-def validate(model, corpus: Corpus, target: Target, final_norm, args, device) -> dict:
+def validate(model, corpus: Corpus, head: TargetHead, final_norm, args, device) -> dict:
     """Top-1 accuracy of each unrolled step against the target's argmax, and the most-frequent-token baseline."""
     hits, counts, argmaxes = [0] * args.ttt, [0] * args.ttt, Counter()
     model.eval()
     with torch.no_grad():
         for b in batches(corpus.val, budget=args.token_budget, seed=args.seed, epoch=0):
-            batch = {k: v.to(device) for k, v in load_batch(b).items()}
-            tgt = build_target(batch, model, frozen(target.head, device), final_norm)
-            _, _, acc = model(batch, tgt, steps=args.ttt)
-            for k, (h, n) in enumerate(acc):
+            batch = to_device(load_batch(b), device)
+            tgt = build_target(batch, model, head, final_norm)
+            with _autocast(device):
+                _, _, acc = model(batch, tgt, steps=args.ttt)
+            for k, (h, n) in enumerate(acc.tolist()):
                 hits[k] += h
                 counts[k] += n
             argmaxes.update(tgt["top"][tgt["valid"]].tolist())
@@ -274,14 +292,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"train: draft layer: {cfg.num_attention_heads} heads × {cfg.head_dim}, {cfg.num_key_value_heads} "
                   f"KV heads, MLP {cfg.intermediate_size} ({draft_shape(args, target.config, target.hidden)[1]}); "
                   f"RoPE θ {cfg.rope_theta:g}" + (f", {cfg.rope_scaling}" if cfg.rope_scaling else ""), flush=True)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+        # fused AdamW on a GPU (one kernel for all parameters); the CPU keeps the reference loop
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0,
+                                fused=True if d.device.type == "cuda" else None)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(args))
         origin = {"run": os.environ.get(RUN_ENV) or None, "data": corpus.identity}
         start = _resume_point(args, out, d, model, opt, sched, cfg, origin)
         # Buffers (the frozen target embedding, d2t, t2d) are identical on every rank by construction:
         # broadcasting them each step would move the whole embedding (4.7 GB at V = 163,840, H = 7,168).
         ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
-        ctx = Ctx(target=target, final_norm=final_norm, cfg=cfg, origin=origin)
+        ctx = Ctx(target=target, head=TargetHead(frozen(target.head, d.device), model), final_norm=final_norm, cfg=cfg,
+                  origin=origin)
         return _loop(args, d, ddp, model, opt, sched, corpus, ctx, start, out)
     finally:
         d.close()
@@ -292,7 +313,7 @@ def _check_args(args) -> None:
     if args.max_length is None:
         args.max_length = min(DEFAULT_MAX_LENGTH, args.token_budget)
     for flag, value, low in (("--max-length", args.max_length, 2), ("--grad-accum", args.grad_accum, 1),
-                             ("--token-budget", args.token_budget, 2)):
+                             ("--token-budget", args.token_budget, 2), ("--workers", args.workers or 0, 0)):
         if value < low:
             raise UserError(f"{flag} {value}: must be at least {low}")
     if args.max_length > args.token_budget:
@@ -346,59 +367,80 @@ class Ctx:
     """What every step reads besides the batch."""
 
     target: Target
+    head: TargetHead  # the target's LM head on the device, its draft rows gathered once
     final_norm: RMSNorm | None
     cfg: DraftConfig
     origin: dict  # the run and the data, recorded in each checkpoint
 
 
+def _workers(args, device: torch.device) -> int:
+    return args.workers if args.workers is not None else (4 if device.type == "cuda" else 0)
+
+
+def _autocast(device: torch.device):
+    """bf16 autocast on a GPU; float32 on the CPU."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start: int, out: Path) -> int:
+    """The steps. Nothing in a step waits for the device except at a read: the steps that log, save, validate or
+    end read the loss (one all-reduce), check it is finite and measure tokens/s over the steps since the last."""
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    per_epoch: dict[int, list] = {}
     progress = open(out / "progress.jsonl", "a") if d.rank == 0 else None  # noqa: SIM115
-    bad = [] if args.skip_bad else None
-    head = frozen(ctx.target.head, d.device)
+    bad: list[str] = []
+    plan = EpochBatches(corpus.train, budget=args.token_budget, seed=args.seed, world=d.world, rank=d.rank)
+    stream = loader(BatchStream(plan, start * args.grad_accum + 1, args.steps * args.grad_accum,
+                                skip_bad=args.skip_bad), workers=_workers(args, d.device), pin=d.device.type == "cuda")
+    feed = iter(stream)
     step = start
+    since, tokens = time.perf_counter(), 0
+    zero = torch.zeros((), device=d.device)
     try:
         for step in range(start + 1, args.steps + 1):
-            t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            sums = [0.0, 0.0, 0.0]  # loss, entropy, tokens over this step's --grad-accum batches
+            loss_sum, ent_sum = zero, zero  # this step's --grad-accum batches, on the device
             for micro in range(args.grad_accum):
-                batch_list = _rank_batches(per_epoch, corpus, args, d, (step - 1) * args.grad_accum + micro + 1)
-                batch = {k: v.to(d.device) for k, v in load_batch(batch_list, bad=bad).items()}
-                tgt = build_target(batch, model, head, ctx.final_norm)
+                host, skipped = next(feed)
+                bad += skipped
+                tokens += int(host["mask"].sum())
+                batch = to_device(host, d.device)
+                tgt = build_target(batch, model, ctx.head, ctx.final_norm)
                 # gradients are all-reduced once per optimizer step, on its last batch
                 sync = ddp.no_sync() if d.world > 1 and micro < args.grad_accum - 1 else contextlib.nullcontext()
                 with sync:
-                    with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=d.device.type == "cuda"):
+                    with _autocast(d.device):
                         loss, ent, _ = ddp(batch, tgt, steps=args.ttt)
                     (loss / args.grad_accum).backward()
-                sums = [sums[0] + loss.item(), sums[1] + ent.item(), sums[2] + float(batch["mask"].sum())]
+                loss_sum, ent_sum = loss_sum + loss.detach(), ent_sum + ent
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             opt.step()
             sched.step()
-            mloss, ment, mtok = d.mean([sums[0] / args.grad_accum, sums[1] / args.grad_accum, sums[2]])
-            rate = mtok * d.world / (time.perf_counter() - t0)
-            if not math.isfinite(mloss) or mloss > 1e4:
-                _write(progress, {"step": step, "total_steps": args.steps, "loss": None, "kl": None,
-                                  "tokens_per_s": rate, "error": f"loss is {mloss} at step {step}"})
-                raise TrainError(f"training stopped: loss is {mloss} at step {step} (NaN or exploding); "
-                                 "lower --lr or check the data; the next start resumes from the last checkpoint")
-            if step % args.log_every == 0 or step == args.steps:
+            saving = step % args.save_every == 0 or step == args.steps
+            evaluating = bool(args.eval_every) and step % args.eval_every == 0
+            stopping = d.any(stop["flag"])
+            if step % args.log_every == 0 or saving or evaluating or stopping:
+                mloss, ment = d.mean([loss_sum / args.grad_accum, ent_sum / args.grad_accum])
+                rate = d.mean([tokens])[0] * d.world / (time.perf_counter() - since)
+                since, tokens = time.perf_counter(), 0
+                if not math.isfinite(mloss) or mloss > 1e4:
+                    _write(progress, {"step": step, "total_steps": args.steps, "loss": None, "kl": None,
+                                      "tokens_per_s": rate, "error": f"loss is {mloss} at step {step}"})
+                    raise TrainError(f"training stopped: loss is {mloss} at step {step} (NaN or exploding); "
+                                     "lower --lr or check the data; the next start resumes from the last checkpoint")
                 _write(progress, {"step": step, "total_steps": args.steps, "loss": round(mloss, 6),
                                   "kl": round(mloss - ment, 6), "tokens_per_s": round(rate, 1),
                                   "lr": float(f"{sched.get_last_lr()[0]:.6g}")})
-            if args.eval_every and step % args.eval_every == 0 and d.rank == 0:
+            if evaluating and d.rank == 0:
                 _validation(out, step, model, corpus, ctx, args, d)
-            if d.any(stop["flag"]):
+            if stopping:
                 checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
                                 config=ctx.cfg, origin=ctx.origin)
                 if d.rank == 0:
                     print(f"train: SIGTERM: checkpoint saved at step {step}; the next start resumes from it "
                           "(`eagle3 start train`, or the same command)", flush=True)
                 return 0
-            if step % args.save_every == 0 and step != args.steps:
+            if saving and step != args.steps:
                 checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank,
                                 barrier=d.barrier, config=ctx.cfg, origin=ctx.origin)
         checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
@@ -411,26 +453,13 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
             _export(out, step, ctx)
         return 0
     finally:
+        del feed  # ends the loader's workers
         if progress:
             progress.close()
 
 
-def _rank_batches(cache: dict, corpus: Corpus, args, d: Dist, number: int) -> list:
-    """This rank's `number`th batch (1-based; --grad-accum of them per step): a pure function of (seed,
-    number), so resume is exact."""
-    if "per_rank" not in cache:  # the epoch-0 batching, counted once
-        every = batches(corpus.train, budget=args.token_budget, seed=args.seed, epoch=0)
-        cache["per_rank"] = max(1, len(every) // d.world)
-    epoch, i = divmod(number - 1, cache["per_rank"])
-    if cache.get("epoch") != epoch:
-        cache["epoch"] = epoch
-        cache["batches"] = batches(corpus.train, budget=args.token_budget, seed=args.seed, epoch=epoch)
-    all_batches = cache["batches"]
-    return all_batches[(i * d.world + d.rank) % len(all_batches)]
-
-
 def _validation(out: Path, step: int, model, corpus, ctx: Ctx, args, d: Dist) -> None:
-    v = validate(model, corpus, ctx.target, ctx.final_norm, args, d.device)
+    v = validate(model, corpus, ctx.head, ctx.final_norm, args, d.device)
     with open(out / "validation.jsonl", "a") as fh:
         fh.write(json.dumps({"step": step, **v}) + "\n")
     acc = ", ".join("-" if a is None else f"{a:.3f}" for a in v["acc"])
