@@ -23,7 +23,7 @@ PRESETS = {  # the draft shapes the trainer picks by default (pipeline/train/loo
     "kimi-k2.5": dict(hidden=7168, heads=56, kv_heads=8, head_dim=128, intermediate=40960, vocab=163840),
     "llama-3.1-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256),
 }
-BUDGETS = (512, 1024, 2048, 4096, 8192)
+BUDGETS = (1024, 2048, 4096, 8192, 16384)
 HEADROOM = 0.85  # of the GPU's memory: the CUDA context, the allocator's fragmentation, NCCL buffers
 
 
@@ -32,14 +32,18 @@ def per_gpu_gb(a, tokens: int, max_length: int) -> dict[str, float]:
     rows = parts(a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.draft_vocab, a.vocab)
     trainable = sum(v for k, v in rows.items() if not k.startswith("frozen"))
     frozen = sum(v for k, v in rows.items() if k.startswith("frozen"))
-    longest = min(max_length, tokens)
     return {"weights, grads, AdamW (fp32)": 16 * trainable / 1e9, "frozen embedding + head (bf16)": 2 * frozen / 1e9,
-            "target logits (fp32, once)": tokens * a.vocab * 4 / 1e9,
-            "draft-vocabulary logits, log-softmax, grad": 3 * a.ttt * tokens * a.draft_vocab * 4 / 1e9,
+            # the target over the draft vocabulary (p, float32) for the whole step, and one chunk of the
+            # full-vocabulary argmax (bf16) while it is formed
+            "target (p over the draft vocabulary)": (tokens * a.draft_vocab * 4 + tokens * 16384 * 2) / 1e9,
+            # each step's logits kept in bf16 for the soft cross-entropy's backward, and its float32 working copy
+            "draft-vocabulary logits": (a.ttt * tokens * a.draft_vocab * 2 + 2 * tokens * a.draft_vocab * 4) / 1e9,
             "MLP gate, up, silu, product": 4 * a.ttt * tokens * a.intermediate * 4 / 1e9,
-            # the explicit T×T scores, masked scores and softmax kept for backward, per unrolled step: a batch
-            # holds budget / T samples of T tokens, so budget · T · heads of them at the longest T
-            "attention T×T (scores, softmax)": 2.5 * a.ttt * tokens * longest * a.heads * 4 / 1e9,
+            # flash attention keeps q, k, v, the output and the log-sum-exp per step (linear in T; no T×T
+            # matrix), plus the stacked diagonal keys and values of the steps before
+            "attention (q, k, v, out; linear in T)": (a.ttt * tokens * (2 * a.heads + 2 * a.kv_heads) * a.head_dim * 4
+                                                      + a.ttt * a.ttt / 2 * tokens * 2 * a.kv_heads * a.head_dim * 4)
+            / 1e9,
             "hidden-size tensors (≈12 per step)": 12 * a.ttt * tokens * a.hidden * 4 / 1e9}
 
 

@@ -105,6 +105,9 @@ def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) ->
     p.add_argument("--workers", type=int,
                    help="processes that load and pad the next batches while the GPU computes (default 4 on a GPU, "
                         "0 on the CPU, where they would compete with training for the same cores)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layer and the final norm (in place: checkpoints keep their names); "
+                        "off by default until it measures faster on a GPU (bench/gpu_train.py --compile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--save-every", type=int, default=50)
@@ -256,6 +259,12 @@ def build(args, corpus: Corpus, target: Target, d: Dist) -> tuple[Eagle3Draft, D
     return model.to(d.device), cfg
 
 
+def compile_draft(model: Eagle3Draft) -> None:
+    """torch.compile the unrolled layer (attention projections, RoPE, MLP, norms) and the final norm, in place."""
+    model.midlayer.compile()
+    model.norm.compile()
+
+
 def run(args: argparse.Namespace) -> int:
     """Load, (resume,) step, save, validate, export."""
     d = Dist()
@@ -279,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
                 final_norm.weight.copy_(target.norm)
             final_norm.requires_grad_(False)
         model, cfg = build(args, corpus, target, d)
+        if args.compile:
+            compile_draft(model)
         source = ("the final hidden state (" + corpus.final_slot + ") through the target's LM head"
                   if corpus.layers == 4 else f"the stored top-{corpus.topk} logprobs")
         if d.rank == 0:
@@ -373,6 +384,34 @@ class Ctx:
     origin: dict  # the run and the data, recorded in each checkpoint
 
 
+def train_step(ddp, model, opt, sched, feed, head: TargetHead, final_norm, *, ttt: int, grad_accum: int,
+               max_grad_norm: float, device: torch.device):
+    """One optimizer step over the next `grad_accum` batches of `feed`, without waiting for the device.
+
+    Returns (summed loss and entropy as device tensors, real tokens, files --skip-bad left out)."""
+    opt.zero_grad(set_to_none=True)
+    loss_sum = ent_sum = torch.zeros((), device=device)
+    tokens, bad = 0, []
+    for micro in range(grad_accum):
+        host, skipped = next(feed)
+        bad += skipped
+        tokens += int(host["mask"].sum())  # counted on the host copy: no device read
+        batch = to_device(host, device)
+        tgt = build_target(batch, model, head, final_norm)
+        # gradients are all-reduced once per optimizer step, on its last batch
+        last = micro == grad_accum - 1
+        sync = ddp.no_sync() if ddp is not model and not last else contextlib.nullcontext()
+        with sync:
+            with _autocast(device):
+                loss, ent, _ = ddp(batch, tgt, steps=ttt)
+            (loss / grad_accum).backward()
+        loss_sum, ent_sum = loss_sum + loss.detach(), ent_sum + ent
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    opt.step()
+    sched.step()
+    return loss_sum, ent_sum, tokens, bad
+
+
 def _workers(args, device: torch.device) -> int:
     return args.workers if args.workers is not None else (4 if device.type == "cuda" else 0)
 
@@ -395,27 +434,13 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
     feed = iter(stream)
     step = start
     since, tokens = time.perf_counter(), 0
-    zero = torch.zeros((), device=d.device)
     try:
         for step in range(start + 1, args.steps + 1):
-            opt.zero_grad(set_to_none=True)
-            loss_sum, ent_sum = zero, zero  # this step's --grad-accum batches, on the device
-            for micro in range(args.grad_accum):
-                host, skipped = next(feed)
-                bad += skipped
-                tokens += int(host["mask"].sum())
-                batch = to_device(host, d.device)
-                tgt = build_target(batch, model, ctx.head, ctx.final_norm)
-                # gradients are all-reduced once per optimizer step, on its last batch
-                sync = ddp.no_sync() if d.world > 1 and micro < args.grad_accum - 1 else contextlib.nullcontext()
-                with sync:
-                    with _autocast(d.device):
-                        loss, ent, _ = ddp(batch, tgt, steps=args.ttt)
-                    (loss / args.grad_accum).backward()
-                loss_sum, ent_sum = loss_sum + loss.detach(), ent_sum + ent
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            opt.step()
-            sched.step()
+            loss_sum, ent_sum, n, skipped = train_step(ddp, model, opt, sched, feed, ctx.head, ctx.final_norm,
+                                                      ttt=args.ttt, grad_accum=args.grad_accum,
+                                                      max_grad_norm=args.max_grad_norm, device=d.device)
+            tokens += n
+            bad += skipped
             saving = step % args.save_every == 0 or step == args.steps
             evaluating = bool(args.eval_every) and step % args.eval_every == 0
             stopping = d.any(stop["flag"])
