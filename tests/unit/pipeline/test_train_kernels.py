@@ -54,6 +54,32 @@ def test_attention_equals_the_dense_reference_in_values_and_gradients():
             assert torch.allclose(a, b, atol=1e-5), s
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it on one)")
+def test_attention_on_a_gpu_equals_the_reference_in_bf16():
+    """The CUDA branch (FlashAttention-2 through ATen, GQA unrepeated) against the float32 reference."""
+    g = torch.Generator().manual_seed(2)
+    H, KV, D, n = 8, 2, 128, 3
+    mask = _padded_mask()
+    q = torch.randn(B, H, T, D, generator=g)
+    ks = [torch.randn(B, KV, T, D, generator=g) for _ in range(n)]
+    vs = [torch.randn(B, KV, T, D, generator=g) for _ in range(n)]
+
+    def leaves(dtype, device):
+        return [t.to(device, dtype).requires_grad_() for t in (q, *ks, *vs)]
+
+    fast, dense = leaves(torch.bfloat16, "cuda"), leaves(torch.float32, "cpu")
+    new = ttt_attention(fast[0], fast[1], fast[1 + n], list(zip(fast[2:1 + n], fast[2 + n:], strict=True)))
+    old = ref.ttt_attention(dense[0], [(k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1))
+                                      for k, v in zip(dense[1:1 + n], dense[1 + n:], strict=True)], mask)
+    rows = mask[:, None, :, None]
+    assert torch.allclose(new.float().cpu() * rows, old * rows, atol=3e-2)
+    weight = torch.randn(old.shape, generator=g) * rows
+    (new.float().cpu() * weight).sum().backward()
+    (old * weight).sum().backward()
+    for a, b in zip(fast, dense, strict=True):
+        assert torch.allclose(a.grad.float().cpu(), b.grad, atol=5e-2, rtol=5e-2)
+
+
 def _config(**kw) -> DraftConfig:
     base = dict(hidden_size=16, target_hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 intermediate_size=24, vocab_size=50, draft_vocab_size=20, rope_theta=10000.0,
