@@ -112,16 +112,16 @@ def cmd_start(args) -> int:
             raise UserError(train_guard_text(exc.completion)) from None
         except ServerHoldsGpusError as exc:
             raise UserError(server_holds_gpus_text(exc)) from None
-    from pipeline.stages.supervisor import launched, who
-    if not launched(proc):
-        raise UserError(f"{args.stage} did not start: {proc['reason']}; see `eagle3 logs {args.stage}`")
-    if proc.get("set_aside"):
-        print(f"moved the earlier training's files to {proc['set_aside']}")
-    print(f"started {args.stage}: {who(proc)}, run {proc['run_id']}, log {proc['log']}")
-    if proc["state"] == "queued":
-        print(f"{args.stage} is {proc['reason']}")
-    elif proc["state"] != "running":
-        print(f"{args.stage} has already ended ({proc['reason']}); see `eagle3 logs {args.stage}`")
+    from pipeline.stages.states import StageState
+    if not proc.launched:
+        raise UserError(f"{args.stage} did not start: {proc.reason}; see `eagle3 logs {args.stage}`")
+    if proc.set_aside:
+        print(f"moved the earlier training's files to {proc.set_aside}")
+    print(f"started {args.stage}: {proc.who}, run {proc.run_id}, log {proc.log}")
+    if proc.state == StageState.QUEUED:
+        print(f"{args.stage} is {proc.reason}")
+    elif proc.state != StageState.RUNNING:
+        print(f"{args.stage} has already ended ({proc.reason}); see `eagle3 logs {args.stage}`")
     return 0
 
 

@@ -155,8 +155,8 @@ def _summary(root: Path, ws, started: float) -> None:
     finally:
         ctl.close()
     lines = [json.loads(x) for x in (root / "ckpt" / "progress.jsonl").read_text().splitlines()]
-    dur = {s: (p["ended_at"] or time.time()) - p["started_at"] for s, p in procs.items() if p}
-    completion = procs["extract"]["ended_at"]
+    dur = {s: (p.ended_at or time.time()) - p.started_at for s, p in procs.items() if p}
+    completion = procs["extract"].ended_at
     _say("\nsummary")
     _say(f"  samples: {done} extracted, {failed} failed; {nbytes / 1e6:.1f} MB of hidden states")
     _say("  time per stage: " + ", ".join(f"{s} {d:.0f} s" for s, d in dur.items()))

@@ -50,7 +50,7 @@ def status_signature(store: Store) -> str:
     parts = [store.current_run(), (handoff_state(store) or {}).get("step", "off")]
     for stage in STAGE_NAMES:
         v, p = store.verdict(stage), store.latest_proc(stage)
-        parts.append((stage, v and v.verdict, v and v.proc_id, p["state"] if p else None))
+        parts.append((stage, v and v.verdict, v and v.proc_id, p.state if p else None))
     return json.dumps(parts, default=str)
 
 
@@ -123,9 +123,9 @@ class Notifier:
         stage = event.get("stage") if event["kind"] == "verdict" and d.get("to") == "done" else (
             "train" if event["kind"] == "handoff" and d.get("step") in ENDINGS else None)
         proc = store.latest_proc(stage) if stage else None
-        if not proc or not proc["started_at"]:
+        if not proc or not proc.started_at:
             return None
-        return (proc["ended_at"] or event["t"]) - proc["started_at"]
+        return (proc.ended_at or event["t"]) - proc.started_at
 
     def _resolve(self, store: Store, stage: str, text: str, event: dict) -> bool:
         """Update the stage's open alert to "resolved after N" and reply under it with `text`; False when no

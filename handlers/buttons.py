@@ -154,7 +154,7 @@ def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
         result = stop_text(ctl.stop(str(v.get("stage")), by=f"slack:{user}"))
         if v.get("verb") == "restart":
             proc = ctl.start(v["stage"], by=f"slack:{user}")
-            result += f"; started again (pid {proc['pid']})"
+            result += f"; started again ({proc.who})"
     except Exception as exc:  # noqa: BLE001 - reported in Slack as one line
         result = f"{_describe(action)} failed: {exc}"
     finally:

@@ -40,9 +40,9 @@ class Automation:
         if not cfg.argv or not cfg.out or run is None or not state or state.get("step") not in (ARMED, WAITING):
             return
         regen = self.store.latest_proc("regenerate", run=run)
-        if not regen or regen["state"] != StageState.EXITED or regen["exit_code"] != 0:
+        if not regen or regen.state != StageState.EXITED or regen.exit_code != 0:
             return
-        key, refused = f"chain:{run}:extract", f"chain:{run}:refused:{regen['id']}"
+        key, refused = f"chain:{run}:extract", f"chain:{run}:refused:{regen.id}"
         if self.store.latest_proc("extract", run=run) or self.store.get(key) or self.store.get(refused):
             return  # checked once per regeneration: its files do not change after it exited
         ok, why = regenerate_complete(self.ws.resolve(cfg.out), max_failed_share=self.ws.config.handoff.max_failed_share)
@@ -59,40 +59,40 @@ class Automation:
                                  data={"reason": f"regeneration is complete but extraction could not start: {exc}"})
             return
         self.store.add_event(kind="chain", run_id=run, stage="extract", data={
-            "from": "regenerate", "reason": why, "pid": proc.get("pid")})
+            "from": "regenerate", "reason": why, "pid": proc.pid})
 
     def restart_policy(self) -> None:
         """`on-failure` stages that died (not stopped) restart with doubling backoff, up to their limit."""
         for stage in STAGE_NAMES:
             cfg = self.ws.stage(stage)
             proc = self.store.latest_proc(stage)
-            if cfg.restart != "on-failure" or not proc or proc["stop_requested"]:
+            if cfg.restart != "on-failure" or not proc or proc.stop_requested:
                 continue
-            vanished = proc["state"] == StageState.UNKNOWN and proc["ended_at"] is not None
-            failed = proc["state"] == StageState.EXITED and proc["exit_code"] != 0
+            vanished = proc.state == StageState.UNKNOWN and proc.ended_at is not None
+            failed = proc.state == StageState.EXITED and proc.exit_code != 0
             died = vanished or failed
             if not died:
                 continue
-            key = KV.restarts(proc["run_id"], stage)
+            key = KV.restarts(proc.run_id, stage)
             count = self.store.get(key, 0)
             if count >= cfg.max_restarts:
-                if self.store.get(KV.restart_limit(proc["id"])) is None:
-                    self.store.put(KV.restart_limit(proc["id"]), True)
-                    self.store.add_event(kind="restart-limit", run_id=proc["run_id"], stage=stage, data={
-                        "reason": f"{stage} died ({proc['reason']}) and has been restarted {count} time(s), its limit"})
+                if self.store.get(KV.restart_limit(proc.id)) is None:
+                    self.store.put(KV.restart_limit(proc.id), True)
+                    self.store.add_event(kind="restart-limit", run_id=proc.run_id, stage=stage, data={
+                        "reason": f"{stage} died ({proc.reason}) and has been restarted {count} time(s), its limit"})
                 continue
-            if self.clock() < (proc["ended_at"] or 0) + cfg.restart_backoff_s * 2 ** count:
+            if self.clock() < (proc.ended_at or 0) + cfg.restart_backoff_s * 2 ** count:
                 continue
             try:
                 new = self.sup.start(stage)
             except UserError as exc:
-                self.store.add_event(kind="restart-limit", run_id=proc["run_id"], stage=stage,
+                self.store.add_event(kind="restart-limit", run_id=proc.run_id, stage=stage,
                                      data={"reason": f"cannot restart {stage}: {exc}"})
                 self.store.put(key, cfg.max_restarts)
                 continue
             self.store.put(key, count + 1)
-            self.store.add_event(kind="stage-restart", run_id=proc["run_id"], stage=stage, data={
-                "attempt": count + 1, "limit": cfg.max_restarts, "reason": proc["reason"], "pid": new["pid"]})
+            self.store.add_event(kind="stage-restart", run_id=proc.run_id, stage=stage, data={
+                "attempt": count + 1, "limit": cfg.max_restarts, "reason": proc.reason, "pid": new.pid})
 
     def reminders(self) -> None:
         """Emit a reminder event, with the current status, for each due reminder."""

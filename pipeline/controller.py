@@ -14,7 +14,7 @@ from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.observe.verdict import StoredVerdict, Verdict
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
-from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor, who
+from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
 from pipeline.status import READING_KEYS, RunStatus, StageStatus
 from pipeline.store import KV, Store
 
@@ -108,7 +108,8 @@ class Controller:
             self._record_gpu_baseline()
         moved = self._set_training_aside(by=by) if fresh else None
         proc = self.supervisor.start(stage)
-        return {**proc, "set_aside": str(moved) if moved else None} if fresh else proc
+        proc.set_aside = str(moved) if moved else None
+        return proc
 
     def _set_training_aside(self, *, by: str) -> Path | None:
         """`start train --fresh`: the earlier training's checkpoints, progress and draft go to
@@ -117,8 +118,8 @@ class Controller:
 
         self.supervisor.refresh()
         proc = self.store.latest_proc("train")
-        if proc and StageState(proc["state"]) in MAYBE_ALIVE_STATES:
-            raise StageError(f"train is {proc['state']}: stop it first (`eagle3 stop train`), then start it --fresh")
+        if proc and proc.state in MAYBE_ALIVE_STATES:
+            raise StageError(f"train is {proc.state}: stop it first (`eagle3 stop train`), then start it --fresh")
         out = self.ws.resolve(self.ws.stage("train").out)
         if out is None:
             raise UserError("--fresh needs stages.train.out (the trainer's --out) in the config, to know what "
@@ -133,14 +134,14 @@ class Controller:
         (the handoff is the way: stop the server, wait for the release, launch), or forced, audited."""
         self.supervisor.refresh()
         proc = self.store.latest_proc("server")
-        if not proc or StageState(proc["state"]) not in MAYBE_ALIVE_STATES:
+        if not proc or proc.state not in MAYBE_ALIVE_STATES:
             return
-        if proc.get("executor") == "slurm" and self.ws.stage("train").executor == "slurm":
+        if proc.executor == "slurm" and self.ws.stage("train").executor == "slurm":
             return  # two jobs: Slurm gives each its own GPUs
         server, train = set(self.ws.stage("server").gpus), set(self.ws.stage("train").gpus)
         if server and train and not server & train:
             return
-        err = ServerHoldsGpusError(pid=proc["pid"], gpus=sorted(server & train if server and train else server | train))
+        err = ServerHoldsGpusError(pid=proc.pid, gpus=sorted(server & train if server and train else server | train))
         self.store.audit(user=by, channel=None, action="start train" + (" --force" if force else ""),
                          outcome="allowed" if force else "refused", detail=str(err))
         if not force:
@@ -212,7 +213,7 @@ class Controller:
     @staticmethod
     def owner(proc: dict) -> str:
         """Who runs a stage process, in words ('pid 4242' or 'Slurm job 17 on gpu-017')."""
-        return who(proc)
+        return proc.who
 
     def request_chart(self, stage: str, *, by: str = "cli") -> dict:
         """Ask for a stage's chart in the run's thread: an event the notifier turns into an upload
@@ -306,34 +307,34 @@ class Controller:
     def _unobserved_end(self, stage: str) -> bool:
         proc = self.store.latest_proc(stage)
         verdict = self.store.verdict(stage)
-        return bool(proc) and proc["state"] != StageState.RUNNING and (
-            verdict is None or verdict.proc_id != proc["id"] or not verdict.final)
+        return bool(proc) and proc.state != StageState.RUNNING and (
+            verdict is None or verdict.proc_id != proc.id or not verdict.final)
 
     def _stage_status(self, stage: str, now: float) -> StageStatus:
         proc = self.store.latest_proc(stage)
         if not proc:
             return StageStatus(state=StageState.NOT_STARTED, log=str(self.ws.log_path(stage)))
-        running = proc["state"] == StageState.RUNNING
+        running = proc.state == StageState.RUNNING
         st = StageStatus(
-            state=StageState(proc["state"]), pid=proc["pid"], exit_code=proc["exit_code"], signal=proc["signal"],
-            started_at=proc["started_at"], ended_at=proc["ended_at"],
-            uptime_s=round(now - proc["started_at"], 1) if running and proc["started_at"] else None,
-            log=proc["log"], reason=proc["reason"], run=proc["run_id"], stop_requested=bool(proc["stop_requested"]),
-            job=proc.get("job_id") if proc.get("executor") == "slurm" else None)
+            state=proc.state, pid=proc.pid, exit_code=proc.exit_code, signal=proc.signal,
+            started_at=proc.started_at, ended_at=proc.ended_at,
+            uptime_s=round(now - proc.started_at, 1) if running and proc.started_at else None,
+            log=proc.log, reason=proc.reason, run=proc.run_id, stop_requested=bool(proc.stop_requested),
+            job=proc.job_id if proc.executor == "slurm" else None)
         return self._with_verdict(stage, proc, st)
 
     def _with_verdict(self, stage: str, proc: dict, st: StageStatus) -> StageStatus:
         v = self.store.verdict(stage)
-        alive = StageState(proc["state"]) in MAYBE_ALIVE_STATES
-        if not v or v.proc_id != proc["id"]:
-            if alive and proc["state"] != StageState.UNKNOWN:  # just started: the next tick observes it
+        alive = proc.state in MAYBE_ALIVE_STATES
+        if not v or v.proc_id != proc.id:
+            if alive and proc.state != StageState.UNKNOWN:  # just started: the next tick observes it
                 return replace(st, verdict=Verdict.STARTING, reasons=("just started; not observed yet",))
             return replace(st, verdict=Verdict.UNKNOWN, reasons=("not observed yet",))
         if not alive and not v.final and v.verdict not in (Verdict.STOPPED, Verdict.DONE, Verdict.DEAD):
             # The verdict was made while it ran; until the next tick observes the end, say what is known.
-            stopped = proc["state"] == StageState.STOPPED
-            why = (f"stopped on request ({proc['reason']})" if proc["stop_requested"] else proc["reason"]) if stopped \
-                else f"ended ({proc['reason']}); its verdict comes with the next observation"
+            stopped = proc.state == StageState.STOPPED
+            why = (f"stopped on request ({proc.reason})" if proc.stop_requested else proc.reason) if stopped \
+                else f"ended ({proc.reason}); its verdict comes with the next observation"
             v = replace(v, verdict=Verdict.STOPPED if stopped else Verdict.UNKNOWN, eta_s=None,
                         eta_low_s=None, eta_high_s=None, reasons=(why,))
         obs = self.store.latest_observation(stage) or {}

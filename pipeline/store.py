@@ -21,6 +21,7 @@ from sqlite_utils import Database, Migrations
 
 from pipeline.errors import StoreError
 from pipeline.observe.verdict import StoredVerdict
+from pipeline.stages.states import StageProc
 
 BUSY_TIMEOUT_S = 10.0
 migrations = Migrations("eagle3")
@@ -289,20 +290,21 @@ class Store:
         """Update fields of one stage-process row."""
         self.db["stage_procs"].update(proc_id, fields)
 
-    def proc(self, proc_id: int) -> dict | None:
+    def proc(self, proc_id: int) -> StageProc | None:
         """One stage-process row by id."""
         rows = list(self.db["stage_procs"].rows_where("id = ?", [proc_id]))
-        return rows[0] if rows else None
+        return StageProc.from_row(rows[0]) if rows else None
 
-    def latest_proc(self, stage: str, *, run: str | None = None) -> dict | None:
+    def latest_proc(self, stage: str, *, run: str | None = None) -> StageProc | None:
         """The most recent process row of a stage (of one run, with `run`)."""
         where, args = ("stage = ?", [stage]) if run is None else ("stage = ? AND run_id = ?", [stage, run])
         rows = list(self.db["stage_procs"].rows_where(where, args, order_by="id desc", limit=1))
-        return rows[0] if rows else None
+        return StageProc.from_row(rows[0]) if rows else None
 
-    def procs(self, stage: str, *, after: int = 0) -> list[dict]:
+    def procs(self, stage: str, *, after: int = 0) -> list[StageProc]:
         """A stage's process rows with an id above `after`, oldest first."""
-        return list(self.db["stage_procs"].rows_where("stage = ? AND id > ?", [stage, after], order_by="id"))
+        return [StageProc.from_row(r) for r in
+                self.db["stage_procs"].rows_where("stage = ? AND id > ?", [stage, after], order_by="id")]
 
     # --- observations ---------------------------------------------------------
     def add_observation(self, obs: dict, *, run_id: str | None) -> None:

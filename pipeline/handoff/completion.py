@@ -53,7 +53,7 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     proc = store.latest_proc("extract", run=run) if run else None
     server = store.latest_proc("server", run=run) if run else None
     c = Completion(complete=False, run=run,
-                   server_running=bool(server) and StageState(server["state"]) in MAYBE_ALIVE_STATES)
+                   server_running=bool(server) and server.state in MAYBE_ALIVE_STATES)
     if proc is None:  # the manifest on disk, if any, is an earlier run's: not this run's progress
         c.missing.append("extraction has not run in this run" if run else
                          "no run is open (extraction has not run since the last run closed)")
@@ -73,11 +73,11 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
             unreadable = f"{out}/manifest.sqlite: {exc}"
     verdict = store.verdict("extract")
     c.done, c.failed, c.total = prog.get("done"), prog.get("failed"), prog.get("total")
-    c.eta_s = verdict.eta_s if verdict and verdict.proc_id == proc["id"] else None
-    if proc["state"] == StageState.RUNNING:
+    c.eta_s = verdict.eta_s if verdict and verdict.proc_id == proc.id else None
+    if proc.state == StageState.RUNNING:
         c.missing.append("extraction is still running")
-    elif proc["state"] != StageState.EXITED or proc["exit_code"] != 0:
-        how = proc["reason"] or proc["state"]
+    elif proc.state != StageState.EXITED or proc.exit_code != 0:
+        how = proc.reason or proc.state
         c.missing.append(f"the last extraction run did not exit 0 ({how})")
     if unreadable:
         c.missing.append(f"manifest unreadable: {unreadable}")
@@ -112,13 +112,13 @@ def _by_final_verdict(c: Completion, store: Store, proc: dict) -> Completion:
     complete when the monitor observed its end and judged it done — exit 0, its progress at its total, the
     failed share within the maximum, its done_when met — and the total is known."""
     verdict = store.verdict("extract")
-    mine = verdict is not None and verdict.proc_id == proc["id"]
+    mine = verdict is not None and verdict.proc_id == proc.id
     if mine:
         c.done, c.failed, c.total, c.eta_s = verdict.done, verdict.failed, verdict.total, verdict.eta_s
-    if proc["state"] == StageState.RUNNING:
+    if proc.state == StageState.RUNNING:
         c.missing.append("extraction is still running")
-    elif proc["state"] != StageState.EXITED or proc["exit_code"] != 0:
-        c.missing.append(f"the last extraction run did not exit 0 ({proc['reason'] or proc['state']})")
+    elif proc.state != StageState.EXITED or proc.exit_code != 0:
+        c.missing.append(f"the last extraction run did not exit 0 ({proc.reason or proc.state})")
     elif not mine or not verdict.final:
         c.missing.append("the monitor has not yet observed this extraction's end")
     elif verdict.verdict != "done":

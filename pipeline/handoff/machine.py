@@ -20,7 +20,7 @@ from pipeline.handoff import completion
 from pipeline.observe.done import finished
 from pipeline.stages.host import port_free
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
-from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor, is_job, launched, who
+from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor
 from pipeline.store import KV, Store
 
 
@@ -185,7 +185,7 @@ class Handoff:
         """A live training process of this run that the handoff did not launch (started by hand)."""
         run = self.store.current_run()
         proc = self.store.latest_proc("train", run=run) if run else None
-        return proc if proc and proc["state"] in MAYBE_ALIVE_STATES else None
+        return proc if proc and proc.state in MAYBE_ALIVE_STATES else None
 
     def _armed(self, state: dict) -> None:
         if state.get("run") is None and self.store.current_run() is None:
@@ -194,7 +194,7 @@ class Handoff:
 
     def _waiting(self, state: dict) -> None:
         if (train := self._manual_training()) is not None:
-            how = who(train) if launched(train) else "being started"
+            how = train.who if train.launched else "being started"
             self._set(CANCELLED, f"training was started by hand and is running ({how}); auto-start stands down")
             return
         c = completion.check(self.ws, self.store, verify_sample=self.ws.config.handoff.verify_sample)
@@ -216,7 +216,7 @@ class Handoff:
     def _gpu_wait(self, state: dict) -> None:
         released, why = self._released(state)
         if released:
-            floor = max((p["id"] for p in self.store.procs("train")), default=0)
+            floor = max((p.id for p in self.store.procs("train")), default=0)
             self._set(LAUNCHING, why, train_floor=floor)
             return
         waited = self.clock() - (state.get("gpu_wait_since") or self.clock())
@@ -229,10 +229,10 @@ class Handoff:
 
     def _released(self, state: dict) -> tuple[bool, str]:
         server = self.store.latest_proc("server")
-        if server and is_job(server):  # on a cluster: the server's GPUs are free once its job has left the queue
-            if server["state"] in MAYBE_ALIVE_STATES:
-                return False, f"the server's Slurm job {server['job_id']} is still {server['state']}"
-            return True, f"the server's Slurm job {server['job_id']} has left the queue ({server['reason']})"
+        if server and server.is_job:  # on a cluster: the server's GPUs are free once its job has left the queue
+            if server.state in MAYBE_ALIVE_STATES:
+                return False, f"the server's Slurm job {server.job_id} is still {server.state}"
+            return True, f"the server's Slurm job {server.job_id} has left the queue ({server.reason})"
         port = self.ws.config.stages.server.port
         if not self.port_check(port):
             return False, f"port {port} still in use"
@@ -264,8 +264,8 @@ class Handoff:
         # failure and does not count. Other rows closed without a pid are failed attempts, and
         # attempts are bounded: a command that cannot start never will.
         self.sup.refresh()
-        if not any(launched(p) or p["state"] in MAYBE_ALIVE_STATES for p in rows()):
-            attempts = [p for p in rows() if NO_RUNNER not in (p["reason"] or "")]
+        if not any(p.launched or p.state in MAYBE_ALIVE_STATES for p in rows()):
+            attempts = [p for p in rows() if NO_RUNNER not in (p.reason or "")]
             cfg = self.ws.config.handoff
             if len(attempts) >= cfg.launch_attempts:
                 reason = (f"training could not be started after {len(attempts)} attempt(s): "
@@ -274,7 +274,7 @@ class Handoff:
                 self._set(FAILED, reason)
                 return
             if attempts:
-                due = (attempts[-1]["ended_at"] or 0) + cfg.launch_backoff_s * 2 ** (len(attempts) - 1)
+                due = (attempts[-1].ended_at or 0) + cfg.launch_backoff_s * 2 ** (len(attempts) - 1)
                 if self.clock() < due:
                     self._note(f"launch attempt {len(attempts)} of {cfg.launch_attempts} failed "
                                f"({attempts[-1]['reason']}); retrying in {due - self.clock():.0f} s")
@@ -282,18 +282,18 @@ class Handoff:
             # checked in the insert's transaction: a cancel that landed since this tick read the step wins
             if self.sup.start("train", only_if=lambda: (self.state() or {}).get("step") == LAUNCHING) is None:
                 return
-        started = [p for p in rows() if launched(p)]
+        started = [p for p in rows() if p.launched]
         if not started:
             self._note("waiting for the training runner to report its pid")
             return
         with self.store.atomic():  # the same transaction as a cancel's check: one of the two wins
             if (self.state() or {}).get("step") == LAUNCHING:
-                self._set(TRAINING, f"training launched ({who(started[0])})", train_proc_id=started[0]["id"])
+                self._set(TRAINING, f"training launched ({started[0].who})", train_proc_id=started[0].id)
                 return
         # Cancelled while the launch was under way: the operator was told no training would run.
         self.sup.stop("train", grace_s=STOP_GRACE_S)
         self.store.add_event(kind="handoff", run_id=self.store.current_run(), data={
-            "step": CANCELLED, "reason": f"training ({who(started[0])}) stopped: auto-start was "
+            "step": CANCELLED, "reason": f"training ({started[0].who}) stopped: auto-start was "
                                          "cancelled while it was being launched"})
 
     def _draft_note(self) -> str:
@@ -307,15 +307,15 @@ class Handoff:
         """Follow training to its end: the handoff ends `training-done` or `training-failed`."""
         self.sup.refresh()
         proc = self.store.proc(state.get("train_proc_id") or 0)
-        if not proc or (proc["state"] in MAYBE_ALIVE_STATES and proc["ended_at"] is None):
+        if not proc or (proc.state in MAYBE_ALIVE_STATES and proc.ended_at is None):
             return
-        if proc["stop_requested"]:
-            self._set(CANCELLED, f"training stopped on request ({proc['reason']})")
-        elif proc["state"] == StageState.EXITED and proc["exit_code"] == 0:
+        if proc.stop_requested:
+            self._set(CANCELLED, f"training stopped on request ({proc.reason})")
+        elif proc.state == StageState.EXITED and proc.exit_code == 0:
             why = finished(self.ws, "train", clock=self.store.clock)
             if why:
                 self._set(TRAINING_FAILED, f"training {why}")
             else:
                 self._set(TRAINING_DONE, "training finished (exit 0)" + self._draft_note())
         else:
-            self._set(TRAINING_FAILED, f"training ended: {proc['reason']}")
+            self._set(TRAINING_FAILED, f"training ended: {proc.reason}")

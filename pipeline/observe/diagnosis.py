@@ -221,18 +221,18 @@ class Diagnoser:
         """Consume one observation of this stage; return the verdict at its time."""
         t = float(obs["t"])
         self.first_t = t if self.first_t is None else self.first_t
-        proc, prog = obs.get("process") or {}, obs.get("progress")
+        process, prog = obs.get("process") or {}, obs.get("progress")
         files = obs.get("files") or {}
         written = num(files, "bytes")
         if written is None:
-            written = num(proc, "io_write_bytes")
-        self.points.append(_Point(t, None, None, num(proc, "cpu_s"), written))
+            written = num(process, "io_write_bytes")
+        self.points.append(_Point(t, None, None, num(process, "cpu_s"), written))
         while self.points and self.points[0].t < t - max(self.policy.slow_window_s, self.policy.activity_window_s) - 60:
             self.points.popleft()
         self._track_progress(t, prog)
         self._track_server(t, obs.get("server"))
         self._track_gpus(t, obs)
-        return self._judge(obs, t, proc, prog if isinstance(prog, dict) else {})
+        return self._judge(obs, t, process, prog if isinstance(prog, dict) else {})
 
     def _base(self, t: float, prog: dict, **kw) -> VerdictRecord:
         done, failed, total = num(prog, "done"), num(prog, "failed") or 0.0, num(prog, "total")
@@ -250,32 +250,32 @@ class Diagnoser:
         toks = [iv[3] for iv in recent]
         return sum(iv[2] for iv in recent) / span, (sum(toks) / span if None not in toks else None)
 
-    def _judge(self, obs: dict, t: float, proc: dict, prog: dict) -> VerdictRecord:
-        ended = proc.get("alive") is False or proc.get("exit_code") is not None
+    def _judge(self, obs: dict, t: float, process: dict, prog: dict) -> VerdictRecord:
+        ended = process.get("alive") is False or process.get("exit_code") is not None
         if ended:
-            return self._ended(t, proc, prog, obs.get("done_when"))
-        if proc.get("queued"):  # waiting for Slurm's allocation: the startup window begins when it runs
+            return self._ended(t, process, prog, obs.get("done_when"))
+        if process.get("queued"):  # waiting for Slurm's allocation: the startup window begins when it runs
             self.first_t = t
             return self._base(t, prog, verdict="starting", reasons=(
-                f"{proc.get('queue_reason') or 'queued in Slurm'} — waiting for its allocation, not a stall",))
-        if proc.get("alive") is None and not prog and not obs.get("server"):
+                f"{process.get('queue_reason') or 'queued in Slurm'} — waiting for its allocation, not a stall",))
+        if process.get("alive") is None and not prog and not obs.get("server"):
             why = (obs.get("unknown") or {}).get("process", "no process reading")
             return self._base(t, prog, verdict="unknown", reasons=(f"process state unknown: {why}",))
         if num(prog, "done") is None:
             return self._judge_without_progress(obs, t, prog)
         return self._judge_progress(obs, t, prog)
 
-    def _ended(self, t: float, proc: dict, prog: dict, rule: dict | None = None) -> VerdictRecord:
-        code = proc.get("exit_code")
-        if proc.get("stop_requested"):
+    def _ended(self, t: float, process: dict, prog: dict, rule: dict | None = None) -> VerdictRecord:
+        code = process.get("exit_code")
+        if process.get("stop_requested"):
             how = "" if code is None else (f" (signal {-code})" if code < 0 else f" (exit {code})")
             return self._base(t, prog, verdict="stopped", reasons=(f"stopped on request{how}",))
         if code is None:
             return self._base(t, prog, verdict="dead", reasons=("the process vanished; exit status unknown",))
         if code != 0:
             how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            if proc.get("last_line"):
-                how += f"; its log ends: {proc['last_line']}"
+            if process.get("last_line"):
+                how += f"; its log ends: {process['last_line']}"
             return self._base(t, prog, verdict="dead", reasons=(how,))
         why = not_done(rule, prog)  # the stage's done_when beyond exit 0 (another tool's exit 0 is its opinion)
         if why:

@@ -24,7 +24,7 @@ from pipeline.observe.probes.process import group_processes, read_process
 from pipeline.observe.probes.server import ServerProbe
 from pipeline.observe.verdict import Policy, StoredVerdict, VerdictRecord, fmt_bytes
 from pipeline.stages.slurm import is_local_host
-from pipeline.stages.states import StageState, has_ended
+from pipeline.stages.states import StageState
 from pipeline.stages.supervisor import Supervisor
 from pipeline.store import KV, Store
 
@@ -112,13 +112,13 @@ class Sampler:
         """Observe, diagnose and record every active stage; returns {stage: (observation, verdict)}."""
         self.supervisor.refresh()
         rows = {s: self.store.latest_proc(s) for s in STAGE_NAMES}
-        active = {s: r for s, r in rows.items() if r and self.finished.get(s) != r["id"]}
+        active = {s: r for s, r in rows.items() if r and self.finished.get(s) != r.id}
         if not active:
             return {}
         pid_stage = {}
         for stage, row in active.items():
-            if row["state"] == StageState.RUNNING and row["pgid"]:
-                pid_stage.update({p.pid: stage for p in group_processes(row["pgid"], row["create_time"] or 0)})
+            if row.state == StageState.RUNNING and row.pgid:
+                pid_stage.update({p.pid: stage for p in group_processes(row.pgid, row.create_time or 0)})
         calls = {"gpus": lambda: self.gpu.read(pid_stage)}
         if {"server", "regenerate", "extract"} & set(active):
             calls["server"] = self.server.read
@@ -149,28 +149,28 @@ class Sampler:
             reading = readings.get(key) if key else None
             if reading is None:
                 continue
-            if section == "gpus" and row.get("executor") == "slurm" and is_local_host(row.get("job_host")) is not True:
-                where = f"runs on {row['job_host']}" if row.get("job_host") else "has no node yet"
-                reading = Reading(t=reading.t, value=None, unknown=f"remote: Slurm job {row.get('job_id')} {where}; "
+            if section == "gpus" and row.executor == "slurm" and is_local_host(row.job_host) is not True:
+                where = f"runs on {row.job_host}" if row.job_host else "has no node yet"
+                reading = Reading(t=reading.t, value=None, unknown=f"remote: Slurm job {row.job_id} {where}; "
                                                                    "NVML reads this host's GPUs only")
             obs[section] = reading.value
             if reading.unknown:
                 obs.setdefault("unknown", {})[section] = reading.unknown
         if stage == "extract":
             obs["disk"] = self._disk(obs)
-        final = has_ended(row)
+        final = row.has_ended
         if final:
-            self.finished[stage] = row["id"]
+            self.finished[stage] = row.id
             obs["done_when"] = evidence(self.ws, stage)  # what "done" means for it, and what was found
         verdict = self._diagnoser(stage, row).feed(obs)
         with self.store.atomic():
-            self.store.add_observation(obs, run_id=row["run_id"])
+            self.store.add_observation(obs, run_id=row.run_id)
             previous = self.store.verdict(stage)
-            record = StoredVerdict.of(verdict, proc_id=row["id"], run=row["run_id"], final=final)
+            record = StoredVerdict.of(verdict, proc_id=row.id, run=row.run_id, final=final)
             self.store.put_verdict(stage, record)
             self._condition_events(stage, row, obs)
-            if not previous or previous.verdict != verdict.verdict or previous.proc_id != row["id"]:
-                self.store.add_event(kind="verdict", run_id=row["run_id"], stage=stage, data={
+            if not previous or previous.verdict != verdict.verdict or previous.proc_id != row.id:
+                self.store.add_event(kind="verdict", run_id=row.run_id, stage=stage, data={
                     "from": previous.verdict if previous else None, "to": verdict.verdict,
                     "reasons": list(verdict.reasons), "progress_pct": record.progress_pct})
         return obs, verdict
@@ -185,10 +185,10 @@ class Sampler:
             "train-error": stage == "train" and prog.get("error") and f"training reported: {prog['error']}",
         }
         for name, reason in conditions.items():
-            key = KV.condition(name, row["id"])
+            key = KV.condition(name, row.id)
             if reason and not self.store.get(key):
                 self.store.put(key, True)
-                self.store.add_event(kind="condition-alert", run_id=row["run_id"], stage=stage, data={"reason": reason})
+                self.store.add_event(kind="condition-alert", run_id=row.run_id, stage=stage, data={"reason": reason})
 
     def _disk(self, obs: dict) -> dict | None:
         prog = obs.get("progress") or {}
@@ -204,13 +204,13 @@ class Sampler:
 
     def _diagnoser(self, stage: str, row: dict) -> Diagnoser:
         current = self.diagnosers.get(stage)
-        if current and current[0] == row["id"]:
+        if current and current[0] == row.id:
             return current[1]
         d = Diagnoser(stage=stage, policy=self.policy)
-        since = max(row["started_at"] or 0, self.clock() - HISTORY_S)
+        since = max(row.started_at or 0, self.clock() - HISTORY_S)
         for past in self.store.observations(stage=stage, since=since):
             d.feed(past)  # resume the fold after a restart of the service
-        self.diagnosers[stage] = (row["id"], d)
+        self.diagnosers[stage] = (row.id, d)
         return d
 
     def _maybe_thin(self) -> None:

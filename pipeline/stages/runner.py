@@ -45,11 +45,11 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
     cfg = ws.stage(stage)
     try:
         child = subprocess.Popen(
-            json.loads(proc["argv"]), cwd=str(ws.resolve(cfg.cwd) or ws.root), env=stage_env(ws, stage, run=proc["run_id"]),
+            json.loads(proc.argv), cwd=str(ws.resolve(cfg.cwd) or ws.root), env=stage_env(ws, stage, run=proc.run_id),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
     except OSError as exc:
-        program = json.loads(proc["argv"])[0] if proc["argv"] else "?"
+        program = json.loads(proc.argv)[0] if proc.argv else "?"
         why = f"cannot start {program!r}: {exc.strerror or exc}"
         if "/" not in program:
             why += " (not on PATH: give stages." + stage + ".argv[0] as an absolute path; `eagle3 check-config`)"
@@ -63,7 +63,7 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     store.update_proc(proc_id, pid=child.pid, pgid=child.pid, create_time=host.create_time(child.pid))
-    store.add_event(kind="stage-started", run_id=proc["run_id"], stage=stage, data={"pid": child.pid})
+    store.add_event(kind="stage-started", run_id=proc.run_id, stage=stage, data={"pid": child.pid})
     copier = threading.Thread(target=_copy_output, args=(child.stdout, log), daemon=True)
     copier.start()
     returncode = child.wait()

@@ -31,46 +31,46 @@ class SlurmExecutor:
     def reconcile(self, proc: dict) -> None:
         """A Slurm job's row from what the cluster says: queued (with Slurm's reason), running, or ended
         with its exit code and Slurm's reason. A job the cluster no longer knows is unknown, never running."""
-        if not proc["job_id"]:
+        if not proc.job_id:
             try:  # submitted, but the service died before recording the id: find it by its name
-                found = slurm.find(proc["job_name"])
+                found = slurm.find(proc.job_name)
             except slurm.SlurmError as exc:
                 transition(self.store, proc, StageState.UNKNOWN,
-                           reason=f"cannot ask Slurm about job {proc['job_name']}: {exc}")
+                           reason=f"cannot ask Slurm about job {proc.job_name}: {exc}")
                 return
             if found:
-                self.store.update_proc(proc["id"], job_id=found[0])
-                proc["job_id"] = found[0]
-                if proc["stop_requested"]:  # stopped while its id was unknown: the stop applies to it now
+                self.store.update_proc(proc.id, job_id=found[0])
+                proc.job_id = found[0]
+                if proc.stop_requested:  # stopped while its id was unknown: the stop applies to it now
                     slurm.cancel(found[0])
             else:
-                if self.host.clock() - (proc["started_at"] or 0) >= SUBMIT_WINDOW_S:
+                if self.host.clock() - (proc.started_at or 0) >= SUBMIT_WINDOW_S:
                     transition(self.store, proc, StageState.EXITED, ended_at=self.host.clock(),
-                               reason=f"never started: no Slurm job named {proc['job_name']} (the submission "
+                               reason=f"never started: no Slurm job named {proc.job_name} (the submission "
                                       "did not reach the cluster)")
                 return
-        info = slurm.query(proc["job_id"])
+        info = slurm.query(proc.job_id)
         if not info.known:
             transition(self.store, proc, StageState.UNKNOWN, reason=info.reason or "the cluster does not answer")
         elif info.pending:
             # Slurm's reason changes while the job waits (None → Priority → Resources)
             transition(self.store, proc, StageState.QUEUED,
-                       reason=f"queued: Slurm job {proc['job_id']} is {info.state} ({info.reason or 'no reason given'})")
+                       reason=f"queued: Slurm job {proc.job_id} is {info.state} ({info.reason or 'no reason given'})")
         elif info.active:
-            if info.host and proc.get("job_host") != info.host:
-                self.store.update_proc(proc["id"], job_host=info.host)
-                proc["job_host"] = info.host
-            transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc['job_id']} is {info.state}")
+            if info.host and proc.job_host != info.host:
+                self.store.update_proc(proc.id, job_host=info.host)
+                proc.job_host = info.host
+            transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc.job_id} is {info.state}")
             state = self.ws.config.state  # the job appends to the stage's log; it is rotated here, as the runner does
-            rotate_in_place(Path(proc["log"] or self.ws.log_path(proc["stage"])), max_bytes=state.log_max_bytes,
+            rotate_in_place(Path(proc.log or self.ws.log_path(proc.stage)), max_bytes=state.log_max_bytes,
                             keep=state.log_keep)
         elif info.ended:
-            target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
+            target = StageState.STOPPED if proc.stop_requested else StageState.EXITED
             transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code,
-                       signal=info.signal, reason=info.describe_stop() if proc["stop_requested"] else info.describe())
+                       signal=info.signal, reason=info.describe_stop() if proc.stop_requested else info.describe())
             close_run_after_training(self.store, proc, target)
         else:
-            transition(self.store, proc, StageState.UNKNOWN, reason=f"Slurm job {proc['job_id']} is in state "
+            transition(self.store, proc, StageState.UNKNOWN, reason=f"Slurm job {proc.job_id} is in state "
                                                                     f"{info.state or '?'}")
 
     def submit(self, stage: str, proc_id: int) -> dict:
@@ -79,18 +79,18 @@ class SlurmExecutor:
         cfg = self.ws.stage(stage)
         log = self.ws.log_path(stage)
         log.parent.mkdir(parents=True, exist_ok=True)
-        text = slurm.batch_script(name=proc["job_name"], argv=cfg.argv, cfg=cfg, slurm=self.ws.config.slurm, log=log,
+        text = slurm.batch_script(name=proc.job_name, argv=cfg.argv, cfg=cfg, slurm=self.ws.config.slurm, log=log,
                                   cwd=self.ws.resolve(cfg.cwd) or self.ws.root)
-        script = slurm.write_script(self.ws.state_dir / "slurm", proc["job_name"], text)
-        env = stage_env(self.ws, stage, run=proc["run_id"])  # sbatch exports it to the job: ours without the Slack secrets
+        script = slurm.write_script(self.ws.state_dir / "slurm", proc.job_name, text)
+        env = stage_env(self.ws, stage, run=proc.run_id)  # sbatch exports it to the job: ours without the Slack secrets
         try:
             job = slurm.submit(script, env=env)
         except slurm.SlurmError as exc:
             transition(self.store, proc, StageState.EXITED, ended_at=self.host.clock(), reason=f"never started: {exc}")
             raise StageError(f"{stage}: {exc}") from None
         self.store.update_proc(proc_id, job_id=job)
-        self.store.add_event(kind="slurm-submitted", run_id=proc["run_id"], stage=stage,
-                             data={"job_id": job, "job_name": proc["job_name"], "script": str(script)})
+        self.store.add_event(kind="slurm-submitted", run_id=proc.run_id, stage=stage,
+                             data={"job_id": job, "job_name": proc.job_name, "script": str(script)})
         proc = self.store.proc(proc_id)
         self.reconcile(proc)
         return self.store.proc(proc_id)
@@ -98,48 +98,32 @@ class SlurmExecutor:
     def stop(self, proc: dict, *, grace_s: float) -> StopResult:
         """scancel --signal=TERM --full (the batch script and its steps), the grace, then scancel; a
         pending job is cancelled at once. Stopped once Slurm reports the job ended."""
-        self.store.update_proc(proc["id"], stop_requested=1)
-        proc["stop_requested"] = 1
-        self.store.add_event(kind="stop-requested", run_id=proc["run_id"], stage=proc["stage"],
-                             data={"grace_s": grace_s, "job_id": proc["job_id"]})
-        result = StopResult(stage=proc["stage"], was_running=True)
-        if not proc["job_id"]:
+        self.store.update_proc(proc.id, stop_requested=1)
+        proc.stop_requested = 1
+        self.store.add_event(kind="stop-requested", run_id=proc.run_id, stage=proc.stage,
+                             data={"grace_s": grace_s, "job_id": proc.job_id})
+        result = StopResult(stage=proc.stage, was_running=True)
+        if not proc.job_id:
             self.reconcile(proc)  # found by its name, or closed as never submitted
-        if proc["job_id"]:
-            if proc["state"] == StageState.QUEUED:
-                slurm.cancel(proc["job_id"])
+        if proc.job_id:
+            if proc.state == StageState.QUEUED:
+                slurm.cancel(proc.job_id)
             else:
-                slurm.cancel(proc["job_id"], signal="TERM")
+                slurm.cancel(proc.job_id, signal="TERM")
                 if not self._wait_job(proc, grace_s):
                     result.escalated = True
-                    slurm.cancel(proc["job_id"])
+                    slurm.cancel(proc.job_id)
             if not self._wait_job(proc, JOB_END_WAIT_S):
-                result.note = f"Slurm job {proc['job_id']} has not ended yet; scancel was sent"
+                result.note = f"Slurm job {proc.job_id} has not ended yet; scancel was sent"
         self.reconcile(proc)
         return result
 
     def _wait_job(self, proc: dict, timeout_s: float) -> bool:
         deadline = self.host.clock() + timeout_s
         while True:
-            info = slurm.query(proc["job_id"])
+            info = slurm.query(proc.job_id)
             if info.ended or not info.known:
                 return True
             if self.host.clock() >= deadline:
                 return False
             self.host.sleep(JOB_POLL_S)
-
-
-def is_job(row: dict) -> bool:
-    """The row is a stage run by Slurm (not the local runner)."""
-    return row.get("executor") == "slurm"
-
-
-def launched(row: dict) -> bool:
-    """The row's stage was handed to something that runs it: a pid, or a Slurm job id."""
-    return row["pid"] is not None or bool(row.get("job_id"))
-
-
-def who(row: dict) -> str:
-    """`pid 123` or `Slurm job 45`."""
-    return f"Slurm job {row['job_id']}" if is_job(row) else f"pid {row['pid']}"
-

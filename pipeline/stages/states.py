@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 
 
@@ -23,9 +24,78 @@ MAYBE_ALIVE_STATES = frozenset({StageState.QUEUED, StageState.RUNNING, StageStat
 
 
 
-def has_ended(row: dict) -> bool:
-    """The row's process has ended: exited, stopped, or unknown with its end recorded (it vanished)."""
-    return row["state"] in ENDED_STATES or (row["state"] == StageState.UNKNOWN and bool(row.get("ended_at")))
+@dataclass(eq=False)
+class StageProc:
+    """One stage-process row, as the store returns it: every column declared once, the state typed.
+
+    Mutable in one place only: `transition` moves it (and the store's row) to a new state."""
+
+    id: int
+    stage: str
+    state: StageState
+    run_id: str | None = None
+    pid: int | None = None
+    pgid: int | None = None
+    create_time: float | None = None
+    runner_pid: int | None = None
+    runner_create_time: float | None = None
+    argv: str | None = None  # JSON list
+    log: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    stop_requested: int | None = None
+    reason: str | None = None
+    executor: str | None = None
+    job_name: str | None = None
+    job_id: str | None = None
+    job_host: str | None = None
+    set_aside: str | None = None  # not stored: where `start train --fresh` moved the earlier training's files
+
+    @classmethod
+    def from_row(cls, row: dict) -> StageProc:
+        known = COLUMNS & row.keys()
+        return cls(**{k: row[k] for k in known}) if "state" not in known else \
+            cls(**{**{k: row[k] for k in known}, "state": StageState(row["state"])})
+
+    def to_dict(self) -> dict:
+        """The row as JSON-ready values (the state as its string)."""
+        out = asdict(self)
+        out["state"] = str(self.state)
+        return out
+
+    def update(self, **values) -> None:
+        for k, v in values.items():
+            setattr(self, k, StageState(v) if k == "state" else v)
+
+    @property
+    def has_ended(self) -> bool:
+        """The process has ended: exited, stopped, or unknown with its end recorded (it vanished)."""
+        return self.state in ENDED_STATES or (self.state == StageState.UNKNOWN and bool(self.ended_at))
+
+    @property
+    def maybe_alive(self) -> bool:
+        """The row may still own live processes: never start a second copy."""
+        return self.state in MAYBE_ALIVE_STATES
+
+    @property
+    def is_job(self) -> bool:
+        """The stage is run by Slurm (not the local runner)."""
+        return self.executor == "slurm"
+
+    @property
+    def launched(self) -> bool:
+        """The stage was handed to something that runs it: a pid, or a Slurm job id."""
+        return self.pid is not None or bool(self.job_id)
+
+    @property
+    def who(self) -> str:
+        """`pid 123` or `Slurm job 45`."""
+        return f"Slurm job {self.job_id}" if self.is_job else f"pid {self.pid}"
+
+
+COLUMNS = frozenset(f.name for f in fields(StageProc)) - {"set_aside"}
 
 
 _EDGES = {
@@ -44,28 +114,28 @@ _EDGES = {
 }
 
 
-def transition(store, proc: dict, to: StageState, *, reason: str = "", **fields) -> None:
+def transition(store, proc: StageProc, to: StageState, *, reason: str = "", **values) -> None:
     """Move a stage-process row to `to`, asserting the edge and recording an event."""
-    frm = StageState(proc["state"])
-    if frm == to and not fields and (not reason or reason == proc.get("reason")):
+    frm = proc.state
+    if frm == to and not values and (not reason or reason == proc.reason):
         return  # nothing changes (the same state with a new reason updates the reason, without an event)
     if frm != to and (frm, to) not in _EDGES:
         raise AssertionError(f"illegal stage transition {frm} -> {to}")
     with store.atomic():
-        store.update_proc(proc["id"], state=str(to), reason=reason or proc.get("reason"), **fields)
+        store.update_proc(proc.id, state=str(to), reason=reason or proc.reason, **values)
         if frm != to:
             store.add_event(
-                kind=f"stage-{to}", run_id=proc["run_id"], stage=proc["stage"],
-                data={"from": str(frm), "reason": reason, **fields},
+                kind=f"stage-{to}", run_id=proc.run_id, stage=proc.stage,
+                data={"from": str(frm), "reason": reason, **values},
             )
-    proc.update(state=str(to), reason=reason or proc.get("reason"), **fields)
+    proc.update(state=to, reason=reason or proc.reason, **values)
 
 
-def close_run_after_training(store, proc: dict, target: StageState) -> None:
+def close_run_after_training(store, proc: StageProc, target: StageState) -> None:
     """Training that finished (exit 0, not stopped) ends its run, when that run is still the current
     one. A training stopped on request or failed leaves the run open: `eagle3 start train`, the
     restart policy and the handoff's relaunch resume it within the same run, whose extraction is
     the one training reads (`stop --all` closes a run for good)."""
-    if (proc["stage"] == "train" and target == StageState.EXITED and proc.get("exit_code") == 0
-            and proc["run_id"] == store.current_run()):
-        store.close_run(proc["run_id"], reason="training finished (exit 0)")
+    if (proc.stage == "train" and target == StageState.EXITED and proc.exit_code == 0
+            and proc.run_id == store.current_run()):
+        store.close_run(proc.run_id, reason="training finished (exit 0)")

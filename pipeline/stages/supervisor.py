@@ -14,7 +14,7 @@ from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import StageError
 from pipeline.stages.host import SIGKILL, SIGTERM, RealHost, StopResult
 from pipeline.stages.slurm import job_name
-from pipeline.stages.slurm_executor import SlurmExecutor, is_job, launched, who
+from pipeline.stages.slurm_executor import SlurmExecutor
 from pipeline.stages.states import (
     MAYBE_ALIVE_STATES,
     StageState,
@@ -45,34 +45,34 @@ class Supervisor:
         """Re-adopt running stages by (pid, create_time); mark unverifiable ones unknown."""
         for stage in STAGE_NAMES:
             proc = self.store.latest_proc(stage)
-            if proc and StageState(proc["state"]) in MAYBE_ALIVE_STATES:
+            if proc and proc.state in MAYBE_ALIVE_STATES:
                 self._reconcile(proc)
 
     def _reconcile(self, proc: dict) -> None:
-        if is_job(proc):
+        if proc.is_job:
             self.jobs.reconcile(proc)
             return
-        state = StageState(proc["state"])
-        if proc["pid"] is None:
+        state = proc.state
+        if proc.pid is None:
             self._close_if_never_started(proc)
             return
-        seen = self.host.identity(proc["pid"], proc["create_time"])
+        seen = self.host.identity(proc.pid, proc.create_time)
         if seen == "alive":
             if state == StageState.UNKNOWN:
                 transition(self.store, proc, StageState.RUNNING, reason="re-adopted: pid and create_time match")
         elif seen == "unverifiable":
             if state == StageState.RUNNING:
                 transition(self.store, proc, StageState.UNKNOWN,
-                           reason=f"pid {proc['pid']} cannot be inspected (permission denied); not touching it")
+                           reason=f"pid {proc.pid} cannot be inspected (permission denied); not touching it")
         elif not self._runner_alive(proc):
             # Gone, and no runner left to record how it ended.
-            target = StageState.STOPPED if proc["stop_requested"] else StageState.UNKNOWN
+            target = StageState.STOPPED if proc.stop_requested else StageState.UNKNOWN
             if target != state:
                 transition(self.store, proc, target, ended_at=self.host.clock(),
                            reason="the stage ended while no runner was watching; exit status unknown")
 
     def _runner_alive(self, proc: dict) -> bool:
-        return self.host.identity(proc["runner_pid"], proc["runner_create_time"]) == "alive"
+        return self.host.identity(proc.runner_pid, proc.runner_create_time) == "alive"
 
     def _close_if_never_started(self, proc: dict) -> bool:
         """A row with no pid whose runner is gone, or that no runner took up, for
@@ -80,22 +80,22 @@ class Supervisor:
         a start or the handoff may launch the stage again. A runner takes its row up in the
         same kind of transaction (`claim_row`), so a late one finds it closed and starts nothing."""
         with self.store.atomic():
-            row = self.store.proc(proc["id"])
-            if (row["pid"] is not None or StageState(row["state"]) not in MAYBE_ALIVE_STATES
+            row = self.store.proc(proc.id)
+            if (row.pid is not None or row.state not in MAYBE_ALIVE_STATES
                     or self._runner_alive(row)
-                    or self.host.clock() - (row["started_at"] or 0) < RUNNER_START_TIMEOUT_S):
+                    or self.host.clock() - (row.started_at or 0) < RUNNER_START_TIMEOUT_S):
                 return False
-            why = (f"its runner (pid {row['runner_pid']}) died before starting it" if row["runner_pid"]
+            why = (f"its runner (pid {row.runner_pid}) died before starting it" if row.runner_pid
                    else f"{NO_RUNNER} within {RUNNER_START_TIMEOUT_S:.0f} s (the service that started it "
                         "may have died)")
             transition(self.store, row, StageState.EXITED, ended_at=self.host.clock(), reason=f"never started: {why}")
-        proc.update(row)
+        proc.update(**row.to_dict())
         return True
 
     def is_running(self, stage: str) -> bool:
         """True when the stage's latest process is verified alive."""
         proc = self.store.latest_proc(stage)
-        return bool(proc) and proc["state"] == StageState.RUNNING
+        return bool(proc) and proc.state == StageState.RUNNING
 
     # --- start ----------------------------------------------------------------
     def start(self, stage: str, *, only_if=None) -> dict | None:
@@ -106,9 +106,9 @@ class Supervisor:
         self.ws.require_filled(stage)
         self.refresh()
         proc = self.store.latest_proc(stage)
-        if proc and StageState(proc["state"]) in MAYBE_ALIVE_STATES:
-            held = who(proc) if launched(proc) else "its process is being started"
-            raise StageError(f"{stage} is already {proc['state']} ({held}); see `eagle3 status`, "
+        if proc and proc.state in MAYBE_ALIVE_STATES:
+            held = proc.who if proc.launched else "its process is being started"
+            raise StageError(f"{stage} is already {proc.state} ({held}); see `eagle3 status`, "
                              f"or stop it first with `eagle3 stop {stage}`")
         run_id = self.store.open_run()
         cfg = self.ws.stage(stage)
@@ -138,7 +138,7 @@ class Supervisor:
         deadline = self.host.clock() + RUNNER_AWAIT_MAX_S
         while True:
             proc = self.store.proc(proc_id)
-            if proc["pid"] is not None or proc["state"] != StageState.RUNNING:
+            if proc.pid is not None or proc.state != StageState.RUNNING:
                 return proc
             if self._close_if_never_started(proc) or self.host.clock() > deadline:
                 return proc
@@ -149,28 +149,28 @@ class Supervisor:
         """Request a stop: SIGTERM to the group, wait `grace_s`, SIGKILL, report survivors."""
         self.refresh()
         proc = self.store.latest_proc(stage)
-        if not proc or StageState(proc["state"]) not in MAYBE_ALIVE_STATES:
+        if not proc or proc.state not in MAYBE_ALIVE_STATES:
             return StopResult(stage=stage, was_running=False, note="not running")
-        if is_job(proc):
+        if proc.is_job:
             return self.jobs.stop(proc, grace_s=grace_s)
-        if proc["pid"] is not None and self.host.identity(proc["pid"], proc["create_time"]) == "unverifiable":
-            raise StageError(f"{stage}: pid {proc['pid']} cannot be verified as the stage (permission denied); "
+        if proc.pid is not None and self.host.identity(proc.pid, proc.create_time) == "unverifiable":
+            raise StageError(f"{stage}: pid {proc.pid} cannot be verified as the stage (permission denied); "
                              "not signalling it — stop it by hand")
-        self.store.update_proc(proc["id"], stop_requested=1)
-        self.store.add_event(kind="stop-requested", run_id=proc["run_id"], stage=stage, data={"grace_s": grace_s})
+        self.store.update_proc(proc.id, stop_requested=1)
+        self.store.add_event(kind="stop-requested", run_id=proc.run_id, stage=stage, data={"grace_s": grace_s})
         result = StopResult(stage=stage, was_running=True)
         # Linux never hands out a pid still used as a process-group id, so when the
         # leader's pid is held by another process our group is gone: signal nothing.
-        if self.host.identity(proc["pid"], proc["create_time"]) == "reused":
-            result.note = f"pid {proc['pid']} now belongs to another process; nothing was signalled"
-        elif proc["pid"] is not None:
-            pgid = proc["pgid"]
-            self._signal_all(pgid, proc["create_time"], SIGTERM)
-            if not self._wait_empty(pgid, proc["create_time"], grace_s):
+        if self.host.identity(proc.pid, proc.create_time) == "reused":
+            result.note = f"pid {proc.pid} now belongs to another process; nothing was signalled"
+        elif proc.pid is not None:
+            pgid = proc.pgid
+            self._signal_all(pgid, proc.create_time, SIGTERM)
+            if not self._wait_empty(pgid, proc.create_time, grace_s):
                 result.escalated = True
-                self._signal_all(pgid, proc["create_time"], SIGKILL)
-                self._wait_empty(pgid, proc["create_time"], KILL_WAIT_S)
-            result.survivors = self.host.members(pgid, proc["create_time"])
+                self._signal_all(pgid, proc.create_time, SIGKILL)
+                self._wait_empty(pgid, proc.create_time, KILL_WAIT_S)
+            result.survivors = self.host.members(pgid, proc.create_time)
         self._await_exit_record(proc)
         return result
 
@@ -191,12 +191,12 @@ class Supervisor:
         """Give the runner a moment to record the exit status; record it ourselves if it cannot."""
         deadline = self.host.clock() + 3.0
         while self.host.clock() < deadline:
-            row = self.store.proc(proc["id"])
-            if StageState(row["state"]) not in MAYBE_ALIVE_STATES or not self._runner_alive(row):
+            row = self.store.proc(proc.id)
+            if row.state not in MAYBE_ALIVE_STATES or not self._runner_alive(row):
                 break
             self.host.sleep(0.05)
-        row = self.store.proc(proc["id"])
-        if StageState(row["state"]) in MAYBE_ALIVE_STATES:
+        row = self.store.proc(proc.id)
+        if row.state in MAYBE_ALIVE_STATES:
             transition(self.store, row, StageState.STOPPED, ended_at=self.host.clock(),
                        reason="stopped; exit status not recorded (no runner)")
         # The runner exits just after recording: a stop returns once it is gone, so that
@@ -219,7 +219,7 @@ def claim_row(store: Store, proc_id: int, *, runner_pid: int, runner_create_time
     row was closed meanwhile (the supervisor concluded it never started) or already has a stage."""
     with store.atomic():
         row = store.proc(proc_id)
-        if not row or row["state"] != StageState.RUNNING or row["pid"] is not None:
+        if not row or row.state != StageState.RUNNING or row.pid is not None:
             return None
         store.update_proc(proc_id, runner_pid=runner_pid, runner_create_time=runner_create_time)
     return store.proc(proc_id)
@@ -230,7 +230,7 @@ def record_exit(store: Store, proc_id: int, *, returncode: int, now: float, reas
     proc = store.proc(proc_id)
     fields = {"ended_at": now, "exit_code": returncode if returncode >= 0 else None,
               "signal": -returncode if returncode < 0 else None}
-    target = StageState.STOPPED if proc["stop_requested"] else StageState.EXITED
+    target = StageState.STOPPED if proc.stop_requested else StageState.EXITED
     transition(store, proc, target, reason=reason or _describe(returncode), **fields)
     close_run_after_training(store, proc, target)
     return proc

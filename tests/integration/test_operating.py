@@ -72,12 +72,12 @@ def test_stop_start_crash_and_relaunch_resume_training_and_another_runs_is_set_a
     store = Store(ws.store_path)
     try:
         proc = store.latest_proc("train")
-        os.kill(proc["pid"], signal.SIGKILL)
-        wait_for(lambda: store.proc(proc["id"])["state"] == "exited", timeout=30, what="the runner to record it")
+        os.kill(proc.pid, signal.SIGKILL)
+        wait_for(lambda: store.proc(proc.id).state == "exited", timeout=30, what="the runner to record it")
         crashed_at = saved_step(ckpt)
         Automation(ws=ws, store=store).restart_policy()
         relaunched = store.latest_proc("train")
-        assert relaunched["id"] != proc["id"] and relaunched["run_id"] == run
+        assert relaunched.id != proc.id and relaunched.run_id == run
     finally:
         store.close()
     wait_for(lambda: f"resumed from step {crashed_at}" in log_text(cfg), timeout=120, interval=0.2,

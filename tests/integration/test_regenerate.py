@@ -101,7 +101,7 @@ def test_from_a_chat_file_to_a_measured_draft(tmp_path):
                 seen["extract"] = [ctl.store.latest_proc("extract")]
                 seen["server"] = ctl.store.latest_proc("server")
             train = ctl.store.latest_proc("train")
-            return train is not None and train["state"] == "exited"
+            return train is not None and train.state == "exited"
 
         wait_for(watched, timeout=330, interval=0.3, what="extraction, then training, started by auto-start and done")
         chain = ctl.store.events(kind="chain")
@@ -113,9 +113,9 @@ def test_from_a_chat_file_to_a_measured_draft(tmp_path):
         ctl.close()
     assert any(v in ("progressing", "slow") and 0 < pct < 100 and total == 32 for v, pct, _, total in progress), progress
     assert len(chain) == 1 and "all 32 conversations regenerated" in chain[0]["data"]["reason"]
-    assert len(seen["extract"]) == 1 and seen["server"]["state"] == "running" and not seen["server"]["stop_requested"]
+    assert len(seen["extract"]) == 1 and seen["server"].state == "running" and not seen["server"].stop_requested
     assert (cfg.parent / "regenerated.jsonl").read_text().count("\n") == 32
-    assert train["exit_code"] == 0
+    assert train.exit_code == 0
     server = ToyServer()
     try:
         res = evaluate(draft_dir=cfg.parent / "ckpt" / "draft", server=server.url, data=cfg.parent / "regenerated.jsonl",

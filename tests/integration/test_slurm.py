@@ -103,15 +103,15 @@ def test_queued_while_the_gpus_are_held_then_running_then_stopped_by_scancel(clu
     held = blocker(cluster, gpus=1)
     with Controller.open(str(cfg)) as ctl:
         row = ctl.start("server")
-    assert row["state"] == "queued" and row["job_id"], row
+    assert row.state == "queued" and row.job_id, row
     st = wait_for(lambda: (s := status_json(cfg))["stages"]["server"]["reason"] and re.search(
         r"is PENDING \((Resources|Priority)\)", s["stages"]["server"]["reason"]) and s, timeout=30,
         what="Slurm's reason for the wait")
     server = st["stages"]["server"]
-    assert server["state"] == "queued" and server["job"] == row["job_id"] and server["pid"] is None
+    assert server["state"] == "queued" and server["job"] == row.job_id and server["pid"] is None
     assert server["verdict"] == "starting" and not server["stuck"], server
     assert "waiting for its allocation, not a stall" in server["reasons"][0]
-    script = (cfg.parent / ".eagle3" / "slurm" / f"{row['job_name']}.sh").read_text()
+    script = (cfg.parent / ".eagle3" / "slurm" / f"{row.job_name}.sh").read_text()
     assert "#SBATCH --gres=gpu:4" in script and "#SBATCH --output=" in script
 
     subprocess.run(["scancel", held], check=True)
@@ -122,8 +122,8 @@ def test_queued_while_the_gpus_are_held_then_running_then_stopped_by_scancel(clu
     assert eagle3("stop", "server", "--grace", "5", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
     st = status_json(cfg)["stages"]["server"]
     assert st["state"] == "stopped" and st["verdict"] == "stopped", st
-    assert job_field(row["job_id"], "JobState") in ("CANCELLED", "FAILED", "COMPLETED")
-    assert squeue(row["job_name"]) and all(not line.endswith(("RUNNING", "PENDING")) for line in squeue(row["job_name"]))
+    assert job_field(row.job_id, "JobState") in ("CANCELLED", "FAILED", "COMPLETED")
+    assert squeue(row.job_name) and all(not line.endswith(("RUNNING", "PENDING")) for line in squeue(row.job_name))
 
 
 def test_a_failing_job_is_dead_with_its_exit_code_and_slurms_reason(cluster, tmp_path):
@@ -132,7 +132,7 @@ def test_a_failing_job_is_dead_with_its_exit_code_and_slurms_reason(cluster, tmp
         row = ctl.start("extract")
     st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["state"] == "exited" and s, timeout=60,
                   what="the job to end")
-    assert st["exit_code"] == 3 and st["job"] == row["job_id"]
+    assert st["exit_code"] == 3 and st["job"] == row.job_id
     assert st["reason"] == "Slurm: FAILED (NonZeroExitCode), exit code 3", st["reason"]
     st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "dead" and s, timeout=30,
                   what="the verdict")
@@ -143,10 +143,10 @@ def test_a_job_the_cluster_no_longer_knows_is_unknown_never_running(cluster, tmp
     cfg = slurm_ws(tmp_path, {"extract": (fixture_argv("sleeper.py"), "")})
     with Controller.open(str(cfg)) as ctl:
         row = ctl.start("extract")
-        ctl.store.update_proc(row["id"], job_id="987654")  # an id this cluster never issued
+        ctl.store.update_proc(row.id, job_id="987654")  # an id this cluster never issued
     st = status_json(cfg)["stages"]["extract"]
     assert st["state"] == "unknown" and "no longer knows job 987654" in st["reason"], st
-    subprocess.run(["scancel", row["job_id"]], check=True)
+    subprocess.run(["scancel", row.job_id], check=True)
 
 
 def test_kill_9_of_serve_and_adoption_without_a_resubmission(cluster, tmp_path):
@@ -167,12 +167,12 @@ def test_kill_9_of_serve_and_adoption_without_a_resubmission(cluster, tmp_path):
         st = status_json(cfg)["stages"]["train"]
         assert st["state"] == "running" and st["job"] == job
         with Controller.open(str(cfg)) as ctl:
-            name = ctl.store.latest_proc("train")["job_name"]
+            name = ctl.store.latest_proc("train").job_name
         assert len(squeue(name)) == 1, "adopted, never submitted again"
 
         # Died between recording the job's name and sbatch's answer: the job is found by its name.
         with Controller.open(str(cfg)) as ctl:
-            ctl.store.update_proc(ctl.store.latest_proc("train")["id"], job_id=None)
+            ctl.store.update_proc(ctl.store.latest_proc("train").id, job_id=None)
         wait_for(lambda: status_json(cfg)["stages"]["train"]["job"] == job, timeout=10, what="the job found by name")
         assert len(squeue(name)) == 1
     finally:

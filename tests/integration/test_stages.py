@@ -96,12 +96,12 @@ def test_runner_killed_stage_keeps_running_then_unknown_when_it_ends(make_worksp
     assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
     ctl = Controller(workspace=load_workspace(cfg))
     proc = ctl.store.latest_proc("extract")
-    cleanup.append(proc["pgid"])
-    os.kill(proc["runner_pid"], signal.SIGKILL)
-    wait_for(lambda: not psutil.pid_exists(proc["runner_pid"]) or
-             psutil.Process(proc["runner_pid"]).status() == psutil.STATUS_ZOMBIE, what="runner to die")
+    cleanup.append(proc.pgid)
+    os.kill(proc.runner_pid, signal.SIGKILL)
+    wait_for(lambda: not psutil.pid_exists(proc.runner_pid) or
+             psutil.Process(proc.runner_pid).status() == psutil.STATUS_ZOMBIE, what="runner to die")
     assert stage_state(cfg, "extract")["state"] == "running"  # verified by (pid, create_time)
-    os.kill(proc["pid"], signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)
     st = wait_for(lambda: (s := stage_state(cfg, "extract"))["state"] != "running" and s, what="status to notice")
     assert st["state"] == "unknown" and "exit status unknown" in st["reason"]
     ctl.close()
@@ -112,14 +112,14 @@ def test_reused_pid_is_not_mistaken_for_the_stage(make_workspace, cleanup):
     ctl = Controller(workspace=load_workspace(cfg))
     ctl.start("extract")
     proc = ctl.store.latest_proc("extract")
-    cleanup.append(proc["pgid"])
+    cleanup.append(proc.pgid)
     time.sleep(0.05)  # at least a few clock ticks, as any real reuse is
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     cleanup.append(stranger.pid)
     # Rewrite history: the row now claims the stranger's pid with the stage's create_time,
     # exactly what a reused pid looks like after a reboot or a long outage.
-    os.killpg(proc["pgid"], signal.SIGKILL)
-    wait_for(lambda: ctl.store.proc(proc["id"])["state"] != "running", what="runner to record the kill")
+    os.killpg(proc.pgid, signal.SIGKILL)
+    wait_for(lambda: ctl.store.proc(proc.id).state != "running", what="runner to record the kill")
     new_id = ctl.store.insert_proc({**{k: proc[k] for k in ("run_id", "stage", "argv", "log", "started_at", "create_time")},
                                     "state": "running", "pid": stranger.pid, "pgid": stranger.pid, "stop_requested": 0})
     st = stage_state(cfg, "extract")
@@ -127,7 +127,7 @@ def test_reused_pid_is_not_mistaken_for_the_stage(make_workspace, cleanup):
     result = ctl.stop("extract", grace_s=1)
     assert "belongs to another process" in result.note
     assert stranger.poll() is None, "a process we could not verify was killed"
-    assert ctl.store.proc(new_id)["state"] == "stopped"
+    assert ctl.store.proc(new_id).state == "stopped"
     ctl.close()
     stranger.kill()
     stranger.wait()
@@ -138,7 +138,7 @@ def test_stop_escalates_and_reaches_grandchildren(make_workspace, cleanup):
     for stage in ("server", "extract"):
         assert eagle3("start", stage, "--config", str(cfg)).returncode == 0
     ctl = Controller(workspace=load_workspace(cfg))
-    pgids = {s: ctl.store.latest_proc(s)["pgid"] for s in ("server", "extract")}
+    pgids = {s: ctl.store.latest_proc(s).pgid for s in ("server", "extract")}
     cleanup.extend(pgids.values())
     wait_for(lambda: len(group_alive(pgids["server"])) == 2, what="grandchild to fork")
     ctl.close()

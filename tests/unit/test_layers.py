@@ -197,6 +197,30 @@ def test_no_string_keyed_read_of_a_verdict_field_outside_the_store():
     assert offenders == {}
 
 
+def test_no_string_keyed_read_of_a_stage_process_field_outside_the_store():
+    """Stage processes come out of the store as `StageProc` (issue 36): `proc.state`, `row.job_id`, never
+    `proc["state"]` or `row.get("job_id")`. A column no other record has is flagged under any name; one that
+    other dicts share (an event's "stage", a psutil info's "pid", a probe reading's "exit_code") is flagged
+    where the variable is a row (`proc`, `row`, or a store call's result)."""
+    from pipeline.stages.states import COLUMNS
+
+    shared = {"id", "stage", "state", "pid", "reason", "run_id", "exit_code", "signal", "log", "create_time",
+              "stop_requested", "job_id"}
+    own = re.compile(r'(\.get\(|\[)"(' + "|".join(sorted(COLUMNS - shared)) + r')"')
+    rows = re.compile(r'\b(proc|row|procs\[\w+\]|latest_proc\([^()]*\)|\.proc\([^()]*\))(\.get\(|\[)"('
+                      + "|".join(sorted(COLUMNS)) + r')"')
+    offenders = {}
+    for package in ("bot", "handlers", "pipeline"):
+        for p in (ROOT / package).rglob("*.py"):
+            if p in (ROOT / "pipeline" / "store.py", ROOT / "pipeline" / "stages" / "states.py"):
+                continue
+            text = p.read_text()
+            hits = [m.group(0) for m in own.finditer(text)] + [m.group(0) for m in rows.finditer(text)]
+            if hits:
+                offenders[str(p.relative_to(ROOT))] = hits
+    assert offenders == {}
+
+
 def test_the_service_keeps_one_store_per_thread():
     """bot/service.py opens the store once at start (its check) and once per thread (`thread_store`), never per
     pass (issue 36): a pass a second used to run the integrity check over the whole file each time."""

@@ -10,7 +10,7 @@ import psutil
 
 from pipeline.observe.probes import Reading, known, unknown
 from pipeline.stages.host import started
-from pipeline.stages.states import StageState, has_ended
+from pipeline.stages.states import StageState
 
 
 def group_processes(pgid: int, since: float) -> list[psutil.Process]:
@@ -45,29 +45,29 @@ def read_process(row: dict | None, *, clock=time.time) -> Reading:
     """The `process` section of an observation for a stage-process row."""
     if row is None:
         return unknown("stage not started", clock=clock)
-    stop = bool(row.get("stop_requested"))
-    if has_ended(row):
-        code = row["exit_code"] if row["exit_code"] is not None else (-row["signal"] if row.get("signal") else None)
+    stop = bool(row.stop_requested)
+    if row.has_ended:
+        code = row.exit_code if row.exit_code is not None else (-row.signal if row.signal else None)
         value = {"alive": False, "exit_code": code, "stop_requested": stop}
-        line = last_log_line(row.get("log")) if code and not stop else None
+        line = last_log_line(row.log) if code and not stop else None
         if line:
             value["last_line"] = line
         return known(value, clock=clock)
-    if row.get("executor") == "slurm":  # the cluster's word, from the row the supervisor keeps current
-        queued = row["state"] == StageState.QUEUED
-        value = {"alive": True if row["state"] == StageState.RUNNING else None, "exit_code": None,
-                 "stop_requested": stop, "job_id": row.get("job_id"), "queued": queued}
+    if row.executor == "slurm":  # the cluster's word, from the row the supervisor keeps current
+        queued = row.state == StageState.QUEUED
+        value = {"alive": True if row.state == StageState.RUNNING else None, "exit_code": None,
+                 "stop_requested": stop, "job_id": row.job_id, "queued": queued}
         if queued:
-            value["queue_reason"] = row.get("reason")
+            value["queue_reason"] = row.reason
         return known(value, clock=clock)
-    if row.get("pid") is None:
+    if row.pid is None:
         return known({"alive": None, "exit_code": None, "stop_requested": stop}, clock=clock)
-    members = group_processes(row["pgid"], row["create_time"] or 0)
+    members = group_processes(row.pgid, row.create_time or 0)
     if not members:
         # Gone, but the runner has not recorded how yet: say so rather than guess "vanished".
         return Reading(t=clock(), value={"alive": None, "exit_code": None, "stop_requested": stop},
                        unknown="the process ended; its exit status is not recorded yet")
-    leader = next((p for p in members if p.pid == row["pid"]), None)
+    leader = next((p for p in members if p.pid == row.pid), None)
     value = {"alive": leader is not None or bool(members), "exit_code": None, "stop_requested": stop,
              "members": len(members), "zombie": False}
     cpu = io = 0.0
@@ -75,7 +75,7 @@ def read_process(row: dict | None, *, clock=time.time) -> Reading:
     for p in members:
         try:
             with p.oneshot():
-                if p.pid == row["pid"] and p.status() == psutil.STATUS_ZOMBIE:
+                if p.pid == row.pid and p.status() == psutil.STATUS_ZOMBIE:
                     value["zombie"] = True
                 t = p.cpu_times()
                 cpu += t.user + t.system

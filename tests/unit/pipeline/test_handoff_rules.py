@@ -11,6 +11,7 @@ from pipeline.config import Workspace
 from pipeline.controller import Controller, ServerHoldsGpusError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
+from pipeline.stages.states import StageProc, StageState
 from pipeline.store import Store
 from tests.conftest import workspace_of
 
@@ -55,14 +56,14 @@ def test_autostart_configured_arms_each_new_run(tmp_path):
 def test_training_beside_a_server_holding_its_gpus_is_refused(ctl, monkeypatch):
     monkeypatch.setattr(completion, "check", lambda *a, **k: completion.Completion(complete=True, done=1, failed=0,
                                                                                    total=1))
-    monkeypatch.setattr(ctl.supervisor, "start", lambda stage: {"pid": 1, "stage": stage})
+    monkeypatch.setattr(ctl.supervisor, "start", lambda stage: StageProc(id=9, stage=stage, state=StageState.RUNNING, pid=1))
     store = ctl.store
     store.insert_proc({"run_id": store.open_run(), "stage": "server", "state": "running", "pid": os.getpid(),
                        "pgid": os.getpid(), "create_time": psutil.Process().create_time(), "argv": "[]",
                        "started_at": 0, "stop_requested": 0})
     with pytest.raises(ServerHoldsGpusError, match=rf"server \(pid {os.getpid()}\) is running and holds GPU 2, 3"):
         ctl.start("train")
-    assert ctl.start("train", force=True)["pid"] == 1
+    assert ctl.start("train", force=True).pid == 1
     audit = [(a["action"], a["outcome"]) for a in store.db["audit"].rows]
     assert audit == [("start train", "refused"), ("start train --force", "allowed")]
 

@@ -17,6 +17,7 @@ from pipeline.observe.probes.gpu import FakeNvml, GpuProbe
 from pipeline.observe.probes.process import read_process
 from pipeline.observe.probes.progress import LogProgress, read_manifest, read_train_progress
 from pipeline.observe.probes.server import ServerProbe, parse_metrics
+from pipeline.stages.states import StageProc
 
 
 # --- files -----------------------------------------------------------------------
@@ -267,14 +268,14 @@ def test_process_probe_over_real_group():
     import psutil
     try:
         time.sleep(1.0)
-        row = {"id": 1, "state": "running", "pid": child.pid, "pgid": child.pid,
+        row = {"id": 1, "stage": "extract", "state": "running", "pid": child.pid, "pgid": child.pid,
                "create_time": psutil.Process(child.pid).create_time(), "exit_code": None, "stop_requested": 0}
-        r = read_process(row)
+        r = read_process(StageProc.from_row(row))
         assert r.value["alive"] is True and r.value["members"] == 2 and r.value["cpu_s"] > 0
     finally:
         os.killpg(child.pid, 9)
         child.wait()
-    ended = read_process({**row, "state": "exited", "exit_code": None, "signal": 9})
+    ended = read_process(StageProc.from_row({**row, "state": "exited", "exit_code": None, "signal": 9}))
     assert ended.value == {"alive": False, "exit_code": -9, "stop_requested": False}
     assert read_process(None).unknown == "stage not started"
 
@@ -282,10 +283,11 @@ def test_process_probe_over_real_group():
 def test_a_failed_stage_reports_the_last_line_of_its_log(tmp_path):
     log = tmp_path / "extract.log"
     log.write_text("sample 9/10\nextract: No space left on device; free space, then run the same command to resume\n\n")
-    row = {"state": "exited", "exit_code": 2, "signal": None, "stop_requested": 0, "log": str(log)}
-    assert read_process(row).value["last_line"].startswith("extract: No space left on device")
-    assert "last_line" not in read_process({**row, "exit_code": 0}).value
-    assert "last_line" not in read_process({**row, "stop_requested": 1}).value
+    row = {"id": 1, "stage": "extract", "state": "exited", "exit_code": 2, "signal": None, "stop_requested": 0,
+           "log": str(log)}
+    assert read_process(StageProc.from_row(row)).value["last_line"].startswith("extract: No space left on device")
+    assert "last_line" not in read_process(StageProc.from_row({**row, "exit_code": 0})).value
+    assert "last_line" not in read_process(StageProc.from_row({**row, "stop_requested": 1})).value
 
 
 def test_train_progress_carries_the_last_validation(tmp_path):

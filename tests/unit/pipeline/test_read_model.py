@@ -66,7 +66,7 @@ def test_the_status_json_keeps_each_branchs_keys_and_reads_back(tmp_path):
         for stage in ("server", "extract"):
             store.insert_proc({"run_id": run, "stage": stage, "state": "exited", "pid": 7, "argv": "[]",
                                "started_at": 1.0, "ended_at": 9.0, "exit_code": 0, "reason": "exit code 0"})
-        extract = store.latest_proc("extract")["id"]
+        extract = store.latest_proc("extract").id
         store.put_verdict("extract", StoredVerdict.from_json({
             "proc_id": extract, "verdict": "done", "stuck": False, "progress_pct": 100.0, "reasons": ["exited 0"],
             "t": 9.5, "done": 10, "total": 10}))

@@ -70,7 +70,7 @@ def test_readopts_verified_stage(setup):
     ws, host, store, sup = setup
     add_running(store, host)
     sup.refresh()
-    assert store.latest_proc("train")["state"] == "running"
+    assert store.latest_proc("train").state == "running"
 
 
 def test_reused_pid_is_not_the_stage_and_is_never_signalled(setup):
@@ -79,8 +79,8 @@ def test_reused_pid_is_not_the_stage_and_is_never_signalled(setup):
     host.procs[500] = 1500.0  # the pid now belongs to a newer process
     sup.refresh()
     proc = store.latest_proc("train")
-    assert proc["state"] == "unknown"
-    assert "exit status unknown" in proc["reason"]
+    assert proc.state == "unknown"
+    assert "exit status unknown" in proc.reason
     result = sup.stop("train", grace_s=1)
     assert host.signals == []
     assert "belongs to another process" in result.note
@@ -95,7 +95,7 @@ def test_stop_escalates_to_sigkill_and_records_stopped(setup):
     assert result.escalated and not result.survivors
     assert [s[1] for s in host.signals if s[2]] == [SIGTERM, SIGKILL]
     proc = store.latest_proc("train")
-    assert proc["state"] == "stopped" and proc["stop_requested"] == 1
+    assert proc.state == "stopped" and proc.stop_requested == 1
 
 
 def test_stop_without_escalation(setup):
@@ -109,11 +109,11 @@ def test_stop_without_escalation(setup):
 def test_exit_after_requested_stop_is_stopped_and_keeps_the_run_open_to_resume(setup):
     ws, host, store, sup = setup
     proc_id = add_running(store, host)
-    run = store.proc(proc_id)["run_id"]
+    run = store.proc(proc_id).run_id
     store.update_proc(proc_id, stop_requested=1)
     record_exit(store, proc_id, returncode=137, now=host.now)
     proc = store.proc(proc_id)
-    assert (proc["state"], proc["exit_code"]) == ("stopped", 137)
+    assert (proc.state, proc.exit_code) == ("stopped", 137)
     assert store.current_run() == run, "a stopped training is resumed within its run (its extraction)"
     failed = add_running(store, host, pid=501)
     record_exit(store, failed, returncode=1, now=host.now)
@@ -128,7 +128,7 @@ def test_exit_code_and_signal_recorded(setup):
     proc_id = add_running(store, host, stage="extract")
     record_exit(store, proc_id, returncode=-9, now=host.now)
     proc = store.proc(proc_id)
-    assert (proc["state"], proc["exit_code"], proc["signal"]) == ("exited", None, 9)
+    assert (proc.state, proc.exit_code, proc.signal) == ("exited", None, 9)
     assert store.current_run() is not None  # only training's end closes the run
 
 
@@ -159,12 +159,12 @@ def test_a_row_no_runner_took_up_is_closed_as_never_started_after_the_timeout(se
     ws, host, store, sup = setup
     proc_id = add_unstarted(store, host)  # the service died between inserting the row and spawning
     sup.refresh()
-    assert store.proc(proc_id)["state"] == "running", "a runner may still take it up"
+    assert store.proc(proc_id).state == "running", "a runner may still take it up"
     host.now += RUNNER_START_TIMEOUT_S + 0.1
     sup.refresh()
     row = store.proc(proc_id)
-    assert (row["state"], row["exit_code"]) == ("exited", None)
-    assert row["reason"].startswith("never started: no runner took it up")
+    assert (row.state, row.exit_code) == ("exited", None)
+    assert row.reason.startswith("never started: no runner took it up")
     assert claim_row(store, proc_id, runner_pid=77, runner_create_time=5.0) is None, "a late runner starts nothing"
     assert not sup.is_running("train")
 
@@ -175,16 +175,16 @@ def test_a_live_runner_keeps_its_row_open_and_a_dead_one_closes_it(setup):
     proc_id = add_unstarted(store, host, runner_pid=77)
     host.now += RUNNER_START_TIMEOUT_S + 5
     sup.refresh()
-    assert store.proc(proc_id)["state"] == "running"
+    assert store.proc(proc_id).state == "running"
     del host.procs[77]
     sup.refresh()
     row = store.proc(proc_id)
-    assert row["state"] == "exited" and "its runner (pid 77) died before starting it" in row["reason"]
+    assert row.state == "exited" and "its runner (pid 77) died before starting it" in row.reason
 
 
 def test_a_runner_claims_only_an_open_row_without_a_stage(setup):
     ws, host, store, sup = setup
     proc_id = add_unstarted(store, host)
-    assert claim_row(store, proc_id, runner_pid=77, runner_create_time=5.0)["runner_pid"] == 77
+    assert claim_row(store, proc_id, runner_pid=77, runner_create_time=5.0).runner_pid == 77
     store.update_proc(proc_id, pid=600)
     assert claim_row(store, proc_id, runner_pid=78, runner_create_time=6.0) is None
