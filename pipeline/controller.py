@@ -13,7 +13,7 @@ from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.observe.verdict import StoredVerdict, Verdict
 from pipeline.stages.logfile import tail_lines
-from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.stages.states import MAYBE_ALIVE_STATES, StageProc, StageState
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
 from pipeline.status import READING_KEYS, RunStatus, StageStatus
 from pipeline.store import KV, Store
@@ -323,13 +323,13 @@ class Controller:
             job=proc.job_id if proc.executor == "slurm" else None)
         return self._with_verdict(stage, proc, st)
 
-    def _with_verdict(self, stage: str, proc: dict, st: StageStatus) -> StageStatus:
+    def _with_verdict(self, stage: str, proc: StageProc, st: StageStatus) -> StageStatus:
         v = self.store.verdict(stage)
         alive = proc.state in MAYBE_ALIVE_STATES
         if not v or v.proc_id != proc.id:
-            if alive and proc.state != StageState.UNKNOWN:  # just started: the next tick observes it
-                return replace(st, verdict=Verdict.STARTING, reasons=("just started; not observed yet",))
-            return replace(st, verdict=Verdict.UNKNOWN, reasons=("not observed yet",))
+            said = (Verdict.STARTING, "just started; not observed yet") if alive and proc.state != StageState.UNKNOWN \
+                else (Verdict.UNKNOWN, "not observed yet")  # just started: the next tick observes it
+            return replace(st, diagnosis=StoredVerdict(t=None, stage=stage, verdict=said[0], reasons=(said[1],)))
         if not alive and not v.final and v.verdict not in (Verdict.STOPPED, Verdict.DONE, Verdict.DEAD):
             # The verdict was made while it ran; until the next tick observes the end, say what is known.
             stopped = proc.state == StageState.STOPPED
@@ -338,10 +338,7 @@ class Controller:
             v = replace(v, verdict=Verdict.STOPPED if stopped else Verdict.UNKNOWN, eta_s=None,
                         eta_low_s=None, eta_high_s=None, reasons=(why,))
         obs = self.store.latest_observation(stage) or {}
-        fields = {k: getattr(v, k) for k in StoredVerdict.STATUS_FIELDS}
-        return replace(st, observed=True, verdict=Verdict.of(v.verdict), reasons=v.reasons,
-                       observed_at=v.t, gaps=obs.get("unknown"), **fields,
-                       **{k: obs.get(k) for k in READING_KEYS})
+        return replace(st, observed=True, diagnosis=v, gaps=obs.get("unknown"), **{k: obs.get(k) for k in READING_KEYS})
 
     def state_version(self) -> str:
         """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""

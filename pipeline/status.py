@@ -39,26 +39,34 @@ class StageStatus:
     stop_requested: bool = False
     job: str | None = None  # the Slurm job id of a stage run as a job (the key is absent for local stages)
     observed: bool = False  # a verdict of this very process is stored (else: "not observed yet")
-    verdict: Verdict | None = None  # None: never started
-    stuck: bool | None = None
-    progress_pct: float | None = None
-    eta_s: float | None = None
-    eta_low_s: float | None = None
-    eta_high_s: float | None = None
-    reasons: tuple[str, ...] = ()
-    done: int | None = None
-    failed: int | None = None
-    total: int | None = None
-    rate_samples_per_s: float | None = None
-    rate_tokens_per_s: float | None = None
-    last_progress_at: float | None = None
-    eta_note: str | None = None  # why there is no ETA
-    observed_at: float | None = None
+    # the stored verdict of this process (its fields are StoredVerdict's, declared there once and read here as
+    # attributes: st.eta_s, st.progress_pct …); before one is stored, what is said instead ("just started"); None:
+    # never started
+    diagnosis: StoredVerdict | None = None
     gpus: list[dict] | None = None
     server: dict | None = None
     disk: dict | None = None
     progress: dict | None = None
     gaps: dict | None = None  # why a reading is missing ({"gpus": "NVML not available: …"}); not in the JSON
+
+    def __getattr__(self, name: str) -> Any:
+        """The stored verdict's status fields (`StoredVerdict.STATUS_FIELDS`), None where there is none."""
+        if name in StoredVerdict.STATUS_FIELDS:
+            return getattr(self.diagnosis, name) if self.diagnosis is not None else None
+        raise AttributeError(name)
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """None: never started."""
+        return self.diagnosis.verdict if self.diagnosis is not None else None
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        return self.diagnosis.reasons if self.diagnosis is not None else ()
+
+    @property
+    def observed_at(self) -> float | None:
+        return self.diagnosis.t if self.observed and self.diagnosis is not None else None
 
     @property
     def started(self) -> bool:
@@ -89,14 +97,14 @@ class StageStatus:
     @classmethod
     def from_json(cls, obj: dict) -> StageStatus:
         """A stage as `to_json` wrote it (a recorded status, a test's fixture)."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"diagnosis", "observed"}
         values = {k: v for k, v in obj.items() if k in known}
         values["state"] = StageState(values["state"])
         values.setdefault("log", "")
-        if values.get("verdict") is not None:
-            values["verdict"] = Verdict.of(values["verdict"]) or Verdict.UNKNOWN
-        values["reasons"] = tuple(values.get("reasons") or ())
         values["observed"] = "observed_at" in obj
+        if any(obj.get(k) is not None for k in VERDICT_KEYS):  # its verdict, as written
+            values["diagnosis"] = StoredVerdict.from_json({**obj, "t": obj.get("observed_at"), "stage": None,
+                                                           "verdict": Verdict.of(obj.get("verdict")) or Verdict.UNKNOWN})
         return cls(**values)
 
 

@@ -41,7 +41,7 @@ def test_eta_line_gives_the_band_and_the_finish_time():
     line = eta_line("extract", st, now=1_790_000_000.0)
     assert line.startswith("*extract*: progressing, 49.4 % (18,424 / 37,312), ETA 4h 48m (4h 10m–5h 30m)")
     assert "finishing around" in line
-    early = eta_line("extract", replace(st, eta_s=None, reasons=("last progress 3s ago",)))
+    early = eta_line("extract", replace(st, diagnosis=replace(st.diagnosis, eta_s=None, reasons=("last progress 3s ago",))))
     assert early.endswith("no ETA yet (last progress 3s ago)")
 
 
