@@ -33,6 +33,11 @@ def arg(*flags: str, **kwargs) -> tuple[tuple[str, ...], dict]:
     return flags, kwargs
 
 
+def required(**flags: str) -> tuple:
+    """Required arguments, each with its help: required(server="…", data="…") → --server, --data."""
+    return tuple(arg("--" + name.replace("_", "-"), required=True, help=text) for name, text in flags.items())
+
+
 def command(name: str, help_text: str, *, example: str, args=()):
     """Register a subcommand handler with its one-line help, an example and its arguments."""
     def deco(fn):
@@ -321,9 +326,9 @@ def cmd_export_trace(args) -> int:
 
 @command("extract", "extract hidden states from an SGLang server into OUT (resumable)",
          example="eagle3 extract --server http://127.0.0.1:30000 --data train.jsonl --out /data/hs",
-         args=(arg("--server", required=True, help="SGLang base URL, e.g. http://127.0.0.1:30000"),
-               arg("--data", required=True, help="JSONL, one sample a line with input_ids and an optional id"),
-               arg("--out", required=True, help="output directory (hidden_states/ and manifest.sqlite)"),
+         args=(*required(server="SGLang base URL, e.g. http://127.0.0.1:30000",
+                         data="JSONL, one sample a line with input_ids and an optional id",
+                         out="output directory (hidden_states/ and manifest.sqlite)"),
                arg("--concurrency", type=int, default=32, help="requests in flight (default 32)"),
                arg("--max-retries", type=int, default=3, help="retries of a sample with a bad answer (default 3)"),
                arg("--mode", choices=("inline", "dump"), default="inline"),
@@ -378,10 +383,9 @@ def cmd_prepare(args) -> int:
 @command("regenerate", "every assistant turn of a prepared dataset answered again by the target (SGLang /generate on "
                        "token ids), resumable; the extraction's input",
          example="eagle3 regenerate --server http://127.0.0.1:30000 --data train.jsonl --out regen.jsonl",
-         args=(arg("--server", required=True, help="the target's SGLang URL"),
-               arg("--data", required=True, help="eagle3 prepare's output: id, input_ids, loss_mask"),
-               arg("--out", required=True, help="JSONL to write once every conversation is done (OUT.parts/ holds the "
-                                                "manifest and the finished ones meanwhile)"),
+         args=(*required(server="the target's SGLang URL", data="eagle3 prepare's output: id, input_ids, loss_mask",
+                         out="JSONL to write once every conversation is done (OUT.parts/ holds the manifest and the "
+                             "finished ones meanwhile)"),
                arg("--max-new-tokens", type=int, default=4096, help="longest answer per turn (default 4096)"),
                arg("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7, as SpecForge's)"),
                arg("--concurrency", type=int, default=16, help="conversations in flight (default 16)"),
@@ -462,9 +466,9 @@ def cmd_export(args) -> int:
 
 @command("eval-draft", "acceptance length τ of an exported draft against the target's greedy continuations",
          example="eagle3 eval-draft --draft ckpt/draft --server http://127.0.0.1:30000 --data prompts.jsonl --depth 5",
-         args=(arg("--draft", required=True, help="an exported draft directory (eagle3 export, or the trainer's OUT/draft)"),
-               arg("--server", required=True, help="the target's SGLang URL (greedy continuations, aux hidden states)"),
-               arg("--data", required=True, help="JSONL of prompts (input_ids); half learn the bigram baseline"),
+         args=(*required(draft="an exported draft directory (eagle3 export, or the trainer's OUT/draft)",
+                         server="the target's SGLang URL (greedy continuations, aux hidden states)",
+                         data="JSONL of prompts (input_ids); half learn the bigram baseline"),
                arg("--target-model", metavar="DIR",
                    help="the target's HF directory (its embedding), unless the draft was exported --with-embeddings"),
                arg("--depth", type=int, default=5, help="draft tokens per round, --speculative-num-steps (default 5)"),

@@ -98,6 +98,15 @@ CONSOLE_CHANNEL = "console"  # the outbox channel of messages printed by the con
 OPEN_RETRY_S = 10.0  # how long opening retries a store that another process is creating
 
 
+def _family(prefix: str) -> staticmethod:
+    """A key family: its prefix, then what the entry is about, joined by ':'."""
+    def key(*parts) -> str:
+        return prefix + ":".join(str(p) for p in parts)
+
+    key.prefix = prefix
+    return staticmethod(key)
+
+
 class KV:
     """Every key of the kv table, spelled once (issue 36): callers name a family, never write a key.
 
@@ -114,49 +123,20 @@ class KV:
     NOTIFIER_AFTER = "notifier_after"  # the last event the notifier turned into messages
     CHART_SCOPE_NOTED = "chart_scope_noted"  # the missing files:write scope was said once
 
-    @staticmethod
-    def verdict(stage: str) -> str:
-        return f"verdict:{stage}"
+    # families: KV.<name>(*parts) is the prefix and the parts joined by ":" (what each entry is about)
+    verdict = _family("verdict:")  # (stage) the stage's StoredVerdict
+    snooze = _family("snooze:")  # (stage) alerts snoozed until t
+    restarts = _family("restarts:")  # (run, stage) the stage's restarts in the run
+    restart_limit = _family("restart-limit:")  # (proc_id) the restart limit was said once
+    condition = _family("condition:")  # (name, proc_id) a condition alert was raised once
+    alerted = _family("alerted:")  # (stage, cause) an alert's last time
+    escalated = _family("escalated:")  # (stage, alerted_at) the alert's escalation was posted
+    milestones = _family("milestones:")  # (run) the progress milestones posted
+    open_alert = _family("open-alert:")  # (stage) the alert to resolve in place
+    ts = _family("ts:")  # (update_key) the chat service's ts of the message with this update key
 
-    @staticmethod
-    def snooze(stage: str) -> str:
-        return f"snooze:{stage}"
 
-    @staticmethod
-    def restarts(run: str, stage: str) -> str:
-        return f"restarts:{run}:{stage}"
-
-    @staticmethod
-    def restart_limit(proc_id: int) -> str:
-        return f"restart-limit:{proc_id}"
-
-    @staticmethod
-    def condition(name: str, proc_id: int) -> str:
-        return f"condition:{name}:{proc_id}"
-
-    @staticmethod
-    def alerted(stage: str, cause: str) -> str:
-        return f"alerted:{stage}:{cause}"
-
-    @staticmethod
-    def escalated(stage: str, alerted_at) -> str:
-        return f"escalated:{stage}:{alerted_at}"
-
-    @staticmethod
-    def milestones(run: str) -> str:
-        return f"milestones:{run}"
-
-    @staticmethod
-    def open_alert(stage: str) -> str:
-        return f"open-alert:{stage}"
-
-    @staticmethod
-    def ts(update_key: str) -> str:
-        """The chat service's ts of the message with this update key (status post, alert)."""
-        return f"ts:{update_key}"
-
-    FAMILIES = ("verdict:", "snooze:", "restarts:", "restart-limit:", "condition:", "alerted:", "escalated:",
-                "milestones:", "open-alert:", "ts:")
+KV.FAMILIES = tuple(v.__func__.prefix for v in vars(KV).values() if isinstance(v, staticmethod))
 
 
 class Store:
