@@ -269,7 +269,7 @@ class Handoff:
             cfg = self.ws.config.handoff
             if len(attempts) >= cfg.launch_attempts:
                 reason = (f"training could not be started after {len(attempts)} attempt(s): "
-                          f"{attempts[-1]['reason']}; fix stages.train.argv, then `eagle3 autostart on`")
+                          f"{attempts[-1].reason}; fix stages.train.argv, then `eagle3 autostart on`")
                 self.store.add_event(kind="handoff-alert", run_id=self.store.current_run(), data={"reason": reason})
                 self._set(FAILED, reason)
                 return
@@ -277,7 +277,7 @@ class Handoff:
                 due = (attempts[-1].ended_at or 0) + cfg.launch_backoff_s * 2 ** (len(attempts) - 1)
                 if self.clock() < due:
                     self._note(f"launch attempt {len(attempts)} of {cfg.launch_attempts} failed "
-                               f"({attempts[-1]['reason']}); retrying in {due - self.clock():.0f} s")
+                               f"({attempts[-1].reason}); retrying in {due - self.clock():.0f} s")
                     return
             # checked in the insert's transaction: a cancel that landed since this tick read the step wins
             if self.sup.start("train", only_if=lambda: (self.state() or {}).get("step") == LAUNCHING) is None:

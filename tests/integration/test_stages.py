@@ -74,7 +74,7 @@ def test_service_killed_stage_survives_and_is_readopted(make_workspace, cleanup)
     # A stand-in for `eagle3 serve`: a long-lived process holding the controller.
     service = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\nfrom pipeline.controller import Controller\n"
-        f"c = Controller.open({str(cfg)!r})\nprint(c.start('extract')['pid'], flush=True)\ntime.sleep(600)")],
+        f"c = Controller.open({str(cfg)!r})\nprint(c.start('extract').pid, flush=True)\ntime.sleep(600)")],
         stdout=subprocess.PIPE, text=True)
     pid = int(service.stdout.readline())
     cleanup.append(pid)
@@ -120,7 +120,8 @@ def test_reused_pid_is_not_mistaken_for_the_stage(make_workspace, cleanup):
     # exactly what a reused pid looks like after a reboot or a long outage.
     os.killpg(proc.pgid, signal.SIGKILL)
     wait_for(lambda: ctl.store.proc(proc.id).state != "running", what="runner to record the kill")
-    new_id = ctl.store.insert_proc({**{k: proc[k] for k in ("run_id", "stage", "argv", "log", "started_at", "create_time")},
+    new_id = ctl.store.insert_proc({**{k: getattr(proc, k) for k in ("run_id", "stage", "argv", "log", "started_at",
+                                                                      "create_time")},
                                     "state": "running", "pid": stranger.pid, "pgid": stranger.pid, "stop_requested": 0})
     st = stage_state(cfg, "extract")
     assert st["state"] == "unknown"

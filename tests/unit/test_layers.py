@@ -201,14 +201,15 @@ def test_no_string_keyed_read_of_a_stage_process_field_outside_the_store():
     """Stage processes come out of the store as `StageProc` (issue 36): `proc.state`, `row.job_id`, never
     `proc["state"]` or `row.get("job_id")`. A column no other record has is flagged under any name; one that
     other dicts share (an event's "stage", a psutil info's "pid", a probe reading's "exit_code") is flagged
-    where the variable is a row (`proc`, `row`, or a store call's result)."""
+    where the variable is a row (`proc`, `row`, `rows[-1]`, or a store call's result; `history[0]` is a list of
+    observations); either quote."""
     from pipeline.stages.states import COLUMNS
 
     shared = {"id", "stage", "state", "pid", "reason", "run_id", "exit_code", "signal", "log", "create_time",
               "stop_requested", "job_id"}
-    own = re.compile(r'(\.get\(|\[)"(' + "|".join(sorted(COLUMNS - shared)) + r')"')
-    rows = re.compile(r'\b(proc|row|procs\[\w+\]|latest_proc\([^()]*\)|\.proc\([^()]*\))(\.get\(|\[)"('
-                      + "|".join(sorted(COLUMNS)) + r')"')
+    own = re.compile(r'(\.get\(|\[)["\'](' + "|".join(sorted(COLUMNS - shared)) + r')["\']')
+    rows = re.compile(r'\b(proc|row|procs\[\w+\]|(?!history\b)\w+\[-?\d+\]|latest_proc\([^()]*\)|\.proc\([^()]*\))(\.get\(|\[)'
+                      r'["\'](' + "|".join(sorted(COLUMNS)) + r')["\']')
     offenders = {}
     for package in ("bot", "handlers", "pipeline"):
         for p in (ROOT / package).rglob("*.py"):
