@@ -62,37 +62,40 @@ class Automation:
             "from": "regenerate", "reason": why, "pid": proc.pid})
 
     def restart_policy(self) -> None:
-        """`on-failure` stages that died (not stopped) restart with doubling backoff, up to their limit."""
+        """`on-failure` stages that died (not stopped) restart with doubling backoff, up to their limit. The
+        policy's state lives on the process row: its backoff (`restart_due`), its count (`restart_count`, carried
+        to the row it starts) and whether it gave up (`restart_given_up`)."""
         for stage in STAGE_NAMES:
             cfg = self.ws.stage(stage)
             proc = self.store.latest_proc(stage)
-            if cfg.restart != "on-failure" or not proc or proc.stop_requested:
+            if cfg.restart != "on-failure" or not proc or proc.stop_requested or proc.restart_given_up:
                 continue
             vanished = proc.state == StageState.UNKNOWN and proc.ended_at is not None
             failed = proc.state == StageState.EXITED and proc.exit_code != 0
-            died = vanished or failed
-            if not died:
+            if not (vanished or failed):
                 continue
-            key = KV.restarts(proc.run_id, stage)
-            count = self.store.get(key, 0)
+            count = proc.restart_count or 0
             if count >= cfg.max_restarts:
-                if self.store.get(KV.restart_limit(proc.id)) is None:
-                    self.store.put(KV.restart_limit(proc.id), True)
-                    self.store.add_event(kind="restart-limit", run_id=proc.run_id, stage=stage, data={
-                        "reason": f"{stage} died ({proc.reason}) and has been restarted {count} time(s), its limit"})
+                self._give_up(proc, f"{stage} died ({proc.reason}) and has been restarted {count} time(s), its limit")
                 continue
-            if self.clock() < (proc.ended_at or 0) + cfg.restart_backoff_s * 2 ** count:
+            if proc.restart_due is None:  # its backoff, recorded once
+                proc.restart_due = (proc.ended_at or self.clock()) + cfg.restart_backoff_s * 2 ** count
+                self.store.update_proc(proc.id, restart_due=proc.restart_due)
+            if self.clock() < proc.restart_due:
                 continue
             try:
-                new = self.sup.start(stage)
+                new = self.sup.start(stage, restart_count=count + 1)
             except UserError as exc:
-                self.store.add_event(kind="restart-limit", run_id=proc.run_id, stage=stage,
-                                     data={"reason": f"cannot restart {stage}: {exc}"})
-                self.store.put(key, cfg.max_restarts)
+                self._give_up(proc, f"cannot restart {stage}: {exc}")
                 continue
-            self.store.put(key, count + 1)
             self.store.add_event(kind="stage-restart", run_id=proc.run_id, stage=stage, data={
                 "attempt": count + 1, "limit": cfg.max_restarts, "reason": proc.reason, "pid": new.pid})
+
+    def _give_up(self, proc, reason: str) -> None:
+        """The restart policy stops restarting this process's line (said once)."""
+        with self.store.atomic():
+            self.store.update_proc(proc.id, restart_given_up=1)
+            self.store.add_event(kind="restart-limit", run_id=proc.run_id, stage=proc.stage, data={"reason": reason})
 
     def reminders(self) -> None:
         """Emit a reminder event, with the current status, for each due reminder."""

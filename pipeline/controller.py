@@ -259,7 +259,7 @@ class Controller:
     def restarts(self, stage: str) -> int:
         """Restarts of `stage` by its on-failure policy in the current run."""
         run = self.store.current_run()
-        return int(self.store.get(KV.restarts(run, stage), 0) or 0) if run else 0
+        return sum(1 for p in self.store.procs(stage) if p.run_id == run and p.restart_count) if run else 0
 
     def monitor_running(self) -> bool:
         """True when `eagle3 serve` stored a heartbeat within the last two ticks."""

@@ -86,6 +86,15 @@ def m006_stage_jobs(db: Database) -> None:
     db["stage_procs"].add_column("job_host", str)  # where the job's batch script runs (Slurm's BatchHost)
 
 
+@migrations()
+def m007_restart_state(db: Database) -> None:
+    """The restart policy's state on the process row (it was in kv entries): the restarts before this process
+    in its line of automatic restarts, when the policy may restart it once it died, and whether it gave up."""
+    db["stage_procs"].add_column("restart_count", int)
+    db["stage_procs"].add_column("restart_due", float)
+    db["stage_procs"].add_column("restart_given_up", int)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
@@ -126,8 +135,6 @@ class KV:
     # families: KV.<name>(*parts) is the prefix and the parts joined by ":" (what each entry is about)
     verdict = _family("verdict:")  # (stage) the stage's StoredVerdict
     snooze = _family("snooze:")  # (stage) alerts snoozed until t
-    restarts = _family("restarts:")  # (run, stage) the stage's restarts in the run
-    restart_limit = _family("restart-limit:")  # (proc_id) the restart limit was said once
     condition = _family("condition:")  # (name, proc_id) a condition alert was raised once
     alerted = _family("alerted:")  # (stage, cause) an alert's last time
     escalated = _family("escalated:")  # (stage, alerted_at) the alert's escalation was posted

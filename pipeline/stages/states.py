@@ -51,6 +51,12 @@ class StageProc:
     job_name: str | None = None
     job_id: str | None = None
     job_host: str | None = None
+    # the restart policy's state (on-failure stages): restarts before this process in its line of automatic
+    # restarts (a start by hand begins a new line), when it may be restarted after dying (its backoff), and
+    # whether the policy gave up (its limit reached)
+    restart_count: int | None = None
+    restart_due: float | None = None
+    restart_given_up: int | None = None
     set_aside: str | None = None  # not stored: where `start train --fresh` moved the earlier training's files
 
     @classmethod
@@ -78,6 +84,11 @@ class StageProc:
     def maybe_alive(self) -> bool:
         """The row may still own live processes: never start a second copy."""
         return self.state in MAYBE_ALIVE_STATES
+
+    @property
+    def in_backoff(self) -> bool:
+        """Died, and the restart policy will start it again at `restart_due`."""
+        return self.has_ended and self.restart_due is not None and not self.restart_given_up
 
     @property
     def is_job(self) -> bool:

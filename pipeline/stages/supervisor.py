@@ -17,6 +17,7 @@ from pipeline.stages.slurm import job_name
 from pipeline.stages.slurm_executor import SlurmExecutor
 from pipeline.stages.states import (
     MAYBE_ALIVE_STATES,
+    StageProc,
     StageState,
     close_run_after_training,
     transition,
@@ -98,10 +99,10 @@ class Supervisor:
         return bool(proc) and proc.state == StageState.RUNNING
 
     # --- start ----------------------------------------------------------------
-    def start(self, stage: str, *, only_if=None) -> dict | None:
+    def start(self, stage: str, *, only_if=None, restart_count: int = 0) -> StageProc | None:
         """Start `stage` under a detached runner (or submit it as a Slurm job); returns its process row
-        once it has a pid (or a job id). With
-        `only_if`, a check made in the same transaction as the row's insert: when it fails nothing is
+        once it has a pid (or a job id). `restart_count`: the restarts before it (the restart policy's; a
+        start by hand is 0). With `only_if`, a check made in the same transaction as the row's insert: when it fails nothing is
         started and None is returned (the handoff's launch against a cancel that lands meanwhile)."""
         self.ws.require_filled(stage)
         self.refresh()
@@ -119,7 +120,7 @@ class Supervisor:
             proc_id = self.store.insert_proc({
                 "run_id": run_id, "stage": stage, "state": str(StageState.QUEUED if on_slurm else StageState.RUNNING),
                 "argv": json.dumps(argv), "log": str(self.ws.log_path(stage)), "started_at": self.host.clock(),
-                "stop_requested": 0, "executor": cfg.executor,
+                "stop_requested": 0, "executor": cfg.executor, "restart_count": restart_count,
             })
             if on_slurm:  # the submission is recorded (by the job's name) before sbatch is run
                 self.store.update_proc(proc_id, job_name=job_name(run_id, stage, proc_id))
@@ -132,7 +133,7 @@ class Supervisor:
         self.store.update_proc(proc_id, runner_pid=runner_pid, runner_create_time=self.host.create_time(runner_pid))
         return self._await_pid(proc_id)
 
-    def _await_pid(self, proc_id: int) -> dict:
+    def _await_pid(self, proc_id: int) -> StageProc:
         """Wait for the runner to report the stage's pid; a runner that dies first (or a slow one
         past RUNNER_AWAIT_MAX_S) leaves the row closed as never started (or still starting)."""
         deadline = self.host.clock() + RUNNER_AWAIT_MAX_S

@@ -268,3 +268,47 @@ def test_the_handoff_moves_only_along_its_edge_table(tmp_path):
         frontier = {b for a, b in _EDGES if a in frontier} - reachable
         reachable |= frontier
     assert reachable == set(HandoffStep)  # every step is reachable from off, and only through edges
+
+
+def test_the_restart_policy_keeps_its_backoff_count_and_limit_on_the_process_row(tmp_path):
+    """Issue 36: backoff and giving up are the row's state (restart_due, restart_count, restart_given_up), not kv
+    entries; a restart carries the count to the row it starts; the limit is said once."""
+    from pipeline.automation import Automation
+
+    text = ('[stages.server]\nargv = ["x"]\nrestart = "on-failure"\nrestart_backoff_s = 10\nmax_restarts = 2\n')
+    ws = workspace_of(tmp_path, text)
+    store = Store(ws.store_path)
+    now = [1000.0]
+    auto = Automation(ws=ws, store=store, clock=lambda: now[0])
+    started = []
+
+    def start(stage, *, restart_count=0, **_):
+        started.append(restart_count)
+        pid = store.insert_proc({"run_id": run, "stage": stage, "state": "exited", "exit_code": 1, "argv": "[]",
+                                 "started_at": now[0], "ended_at": now[0], "restart_count": restart_count})
+        return store.proc(pid)
+
+    auto.sup.start = start
+    run = store.open_run()
+    store.insert_proc({"run_id": run, "stage": "server", "state": "exited", "exit_code": 1, "argv": "[]",
+                       "started_at": 990.0, "ended_at": 1000.0})
+    try:
+        auto.restart_policy()
+        row = store.latest_proc("server")
+        assert started == [] and row.restart_due == 1010.0 and row.in_backoff  # 10 s · 2⁰
+        now[0] = 1010.0
+        auto.restart_policy()
+        assert started == [1] and store.latest_proc("server").restart_count == 1
+        auto.restart_policy()  # the new row died at once: its backoff doubles
+        assert started == [1] and store.latest_proc("server").restart_due == 1030.0
+        now[0] = 1030.0
+        auto.restart_policy()
+        assert started == [1, 2]
+        for _ in range(2):  # at its limit: given up, said once
+            auto.restart_policy()
+        last = store.latest_proc("server")
+        assert started == [1, 2] and last.restart_given_up and not last.in_backoff
+        assert [e["kind"] for e in store.events(kind="restart-limit")] == ["restart-limit"]
+        assert Controller(workspace=ws, store=store).restarts("server") == 2
+    finally:
+        store.close()
