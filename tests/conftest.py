@@ -84,12 +84,48 @@ def workspace_of(tmp_path: Path, text: str) -> Workspace:
     return Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml")
 
 
-def eagle3(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run the eagle3 CLI in a subprocess, as a user would."""
+# Commands a test runs in this process through `main(argv)` (sqlite-utils' CliRunner style): an interpreter start
+# costs ~0.5 CPU-s on these 2 cores. Those that run a stage's own work, a server, or install signal handlers
+# (extract, regenerate, serve, toy-server, demo) keep a real process, as do `eagle3(..., process=True)` calls.
+IN_PROCESS = frozenset({"start", "stop", "status", "autostart", "export-trace", "logs", "init", "verify", "remind",
+                        "diagnose", "check-config", "--help"})
+
+
+def eagle3(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 60,
+           process: bool = False) -> subprocess.CompletedProcess:
+    """Run the eagle3 CLI as a user would: its exit code, stdout and stderr."""
+    if not process and args and args[0] in IN_PROCESS:
+        return run_main(list(args), cwd=cwd, env=env)
     full_env = {k: v for k, v in os.environ.items() if k != "EAGLE3_CONFIG"}
     full_env.update(env or {})
     return subprocess.run([PY, "-m", "bot.cli", *args], cwd=cwd or ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(argv: list[str], *, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`bot.cli.main(argv)` in this process, in `cwd` with `env` added (EAGLE3_CONFIG removed), its output
+    captured; the directory and the environment are restored after."""
+    import contextlib
+    import io
+
+    from bot.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_cwd, saved_env = os.getcwd(), dict(os.environ)
+    try:
+        os.chdir(cwd or ROOT)
+        os.environ.pop("EAGLE3_CONFIG", None)
+        os.environ.update(env or {})
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exc:  # argparse: --help (0), a usage error (2)
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(["eagle3", *argv], code, out.getvalue(), err.getvalue())
 
 
 def status_json(cfg: Path, *, cli: bool = False) -> dict:
