@@ -19,6 +19,8 @@ reads them, and step k+1 reads only its own index).
 
 The kernels are ATen's: `_scaled_dot_product_flash_attention` on CUDA (FlashAttention-2), its `_for_cpu`
 sibling on the CPU (where the tests prove the algebra against the dense reference, forward and gradients).
+Where the kernel refuses its inputs (a GPU or a dtype it does not support), a blocked implementation of the
+same algebra takes over — exact, memory linear in T, slower — and the trainer says so once in its log.
 """
 
 from __future__ import annotations
@@ -30,21 +32,85 @@ import torch
 aten = torch.ops.aten
 
 
+CHUNK = 256  # query rows per block of the blocked fallback
+
+
 def _flash_forward(q, k, v, scale):
-    """(out, lse [B, H, T] float32, what the backward needs) of causal attention."""
-    if q.device.type == "cuda":
-        res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-        return res[0], res[1], res[2:8]
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-    return out, lse, ()
+    """(out, lse [B, H, T] float32, what the backward needs) of causal attention: ATen's flash kernel, or the
+    blocked fallback (`extra` None) where the kernel refuses the inputs (a GPU or dtype it does not support)."""
+    try:
+        if q.device.type == "cuda":
+            res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+            return res[0], res[1], res[2:8]
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, ()
+    except RuntimeError as exc:
+        _fallback_note(exc)
+        return (*_blocked_forward(q, k, v, scale), None)
 
 
 def _flash_backward(grad, q, k, v, out, lse, extra, scale):
+    if extra is None:
+        return _blocked_backward(grad, q, k, v, out, lse, scale)
     if q.device.type == "cuda":
         cum_q, cum_k, max_q, max_k, seed, offset = extra
         return aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+_noted: list[str] = []
+
+
+def _fallback_note(exc: Exception) -> None:
+    if not _noted:
+        _noted.append(str(exc))
+        print(f"train: the flash attention kernel refused these inputs ({str(exc).splitlines()[0][:200]}); using the "
+              "blocked attention instead (exact, slower)", flush=True)
+
+
+def _blocked_scores(q, k, scale, start: int, stop: int):
+    """Scores [B, KV, rep, rows, stop] of query rows start..stop against keys 0..stop, causal, float32."""
+    kv = k.shape[1]
+    s = torch.einsum("bgrtd,bgsd->bgrts", _groups(q[:, :, start:stop], kv).float(), k[:, :, :stop].float()) * scale
+    rows = torch.arange(start, stop, device=q.device)[:, None]
+    return s.masked_fill(torch.arange(stop, device=q.device)[None, :] > rows, float("-inf"))
+
+
+def _blocked_forward(q, k, v, scale):
+    """Causal attention a block of query rows at a time (memory: a block's rows × T scores), with its lse."""
+    B, H, T, D = q.shape
+    out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    for start in range(0, T, CHUNK):
+        stop = min(T, start + CHUNK)
+        s = _blocked_scores(q, k, scale, start, stop)
+        m = torch.logsumexp(s, -1)
+        o = torch.einsum("bgrts,bgsd->bgrtd", torch.exp(s - m[..., None]), v[:, :, :stop].float())
+        out[:, :, start:stop] = o.reshape(B, H, stop - start, D).to(q.dtype)
+        lse[:, :, start:stop] = m.reshape(B, H, stop - start)
+    return out, lse
+
+
+def _blocked_backward(grad, q, k, v, out, lse, scale):
+    """The flash backward's algebra a block at a time: dS = P ∘ (dO·vᵀ − rowsum(dO ∘ out))."""
+    B, H, T, D = q.shape
+    kv = k.shape[1]
+    dq = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for start in range(0, T, CHUNK):
+        stop = min(T, start + CHUNK)
+        s = _blocked_scores(q, k, scale, start, stop)
+        p = torch.exp(s - _groups(lse[..., None][:, :, start:stop], kv))
+        g = _groups(grad[:, :, start:stop], kv).float()
+        d = (g * _groups(out[:, :, start:stop], kv).float()).sum(-1, keepdim=True)
+        ds = p * (torch.einsum("bgrtd,bgsd->bgrts", g, v[:, :, :stop].float()) - d)
+        dq[:, :, start:stop] = (torch.einsum("bgrts,bgsd->bgrtd", ds, k[:, :, :stop].float()) * scale
+                                ).reshape(B, H, stop - start, D)
+        dk[:, :, :stop] += torch.einsum("bgrts,bgrtd->bgsd", ds, _groups(q[:, :, start:stop], kv).float()) * scale
+        dv[:, :, :stop] += torch.einsum("bgrts,bgrtd->bgsd", p, g)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _groups(x: torch.Tensor, kv: int) -> torch.Tensor:

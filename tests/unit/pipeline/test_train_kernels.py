@@ -29,7 +29,23 @@ def _padded_mask() -> torch.Tensor:
     return torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]
 
 
-def test_attention_equals_the_dense_reference_in_values_and_gradients():
+@pytest.fixture(params=["flash", "blocked"])
+def kernel(request, monkeypatch):
+    """The ATen flash kernel, or the blocked fallback a refused kernel leaves (small blocks: several per row)."""
+    if request.param == "blocked":
+        from types import SimpleNamespace
+
+        from pipeline.train import attention
+
+        def refuse(*_a, **_k):
+            raise RuntimeError("no kernel for these inputs (a test's)")
+
+        monkeypatch.setattr(attention, "aten", SimpleNamespace(_scaled_dot_product_flash_attention_for_cpu=refuse))
+        monkeypatch.setattr(attention, "CHUNK", 4)
+    return request.param
+
+
+def test_attention_equals_the_dense_reference_in_values_and_gradients(kernel):
     g = torch.Generator().manual_seed(1)
     H, KV, D = 6, 2, 8  # three query heads per KV head
     mask = _padded_mask()
