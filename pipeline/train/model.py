@@ -104,8 +104,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = self.rope.tables(positions)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        cos, sin = self.rope.tables(positions)  # float32: the rotated q and k come back in v's dtype (bf16 under
+        # autocast), as the attention kernel needs one dtype for all three
+        return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
 
 
 class MLP(nn.Module):

@@ -152,6 +152,22 @@ def test_loss_and_gradients_equal_the_reference(setup):
         assert a.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-5), name
 
 
+def test_under_bf16_autocast_the_kernel_gets_one_dtype(setup, monkeypatch):
+    """On a GPU the step runs under bf16 autocast, where RoPE's float32 tables would promote q and k to float32
+    beside a bf16 v: the flash kernel refuses mixed dtypes. The CPU's autocast shows the same."""
+    from pipeline.train import attention
+
+    m, head, batch = setup
+    seen = []
+    real = attention._flash_forward
+    monkeypatch.setattr(attention, "_flash_forward", lambda q, k, v, scale: (seen.append((q.dtype, k.dtype, v.dtype))
+                                                                             or real(q, k, v, scale)))
+    monkeypatch.setattr(attention, "_fallback_note", lambda exc: pytest.fail(f"fell back: {exc}"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = copy.deepcopy(m)(batch, build_target(batch, m, head), steps=2)[0]
+    assert seen and all(d == (torch.bfloat16,) * 3 for d in seen) and torch.isfinite(loss)
+
+
 def test_a_short_training_run_matches_step_for_step(setup):
     m, head, batch = setup
     tgt = build_target(batch, m, head)
