@@ -151,8 +151,7 @@ class Dist:
         if self.world == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)  # NCCL reduces GPU tensors only
-        if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def barrier(self) -> None:
@@ -445,8 +444,8 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
             evaluating = bool(args.eval_every) and step % args.eval_every == 0
             stopping = d.any(stop["flag"])
             if step % args.log_every == 0 or saving or evaluating or stopping:
-                mloss, ment = d.mean([loss_sum / args.grad_accum, ent_sum / args.grad_accum])
-                rate = d.mean([tokens])[0] * d.world / (time.perf_counter() - since)
+                mloss, ment, mtok = d.mean([loss_sum / args.grad_accum, ent_sum / args.grad_accum, tokens])
+                rate = mtok * d.world / (time.perf_counter() - since)
                 since, tokens = time.perf_counter(), 0
                 if not math.isfinite(mloss) or mloss > 1e4:
                     _write(progress, {"step": step, "total_steps": args.steps, "loss": None, "kl": None,
