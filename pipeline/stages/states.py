@@ -61,9 +61,9 @@ class StageProc:
 
     @classmethod
     def from_row(cls, row: dict) -> StageProc:
-        known = COLUMNS & row.keys()
-        return cls(**{k: row[k] for k in known}) if "state" not in known else \
-            cls(**{**{k: row[k] for k in known}, "state": StageState(row["state"])})
+        values = {k: row[k] for k in COLUMNS & row.keys()}
+        values["state"] = StageState(values["state"])
+        return cls(**values)
 
     def to_dict(self) -> dict:
         """The row as JSON-ready values (the state as its string)."""
@@ -72,6 +72,7 @@ class StageProc:
         return out
 
     def update(self, **values) -> None:
+        """Set fields as `transition` and a re-read row give them (a state as its string too)."""
         for k, v in values.items():
             setattr(self, k, StageState(v) if k == "state" else v)
 
