@@ -70,7 +70,9 @@ def run_demo(slack_channel: str | None = None, *, regenerate: bool = False) -> i
     # Ctrl-C sets a flag the waits check, rather than raising KeyboardInterrupt wherever the main thread
     # happens to be (inside a store transaction, a stage start): the teardown then runs from a clean place.
     interrupted = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    # SIGTERM (`kill`, `pkill`) the same: left to its default it ended the demo without the teardown, leaving
+    # the toy server, in its own session, running
+    previous = {sig: signal.signal(sig, lambda *_: interrupted.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if regenerate:
             _say("1. starting the toy SGLang server and the regeneration of 300 conversations' assistant turns by the "
@@ -95,7 +97,8 @@ def run_demo(slack_channel: str | None = None, *, regenerate: bool = False) -> i
         thread.start()
         ok = _wait_for_training(ctl, notifier, interrupted)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if interrupted.is_set():
             _say("interrupted: stopping everything the demo started")
         monitor.stop()

@@ -88,14 +88,18 @@ def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_runnin
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_stops_everything_the_demo_started():
+@pytest.mark.parametrize("how", ["ctrl-c", "kill"])
+def test_ctrl_c_stops_everything_the_demo_started(how):
     proc = demo()
     first = proc.stdout.readline()
     line = first
     while "arming auto-start" not in line:  # the server and extraction are running now
         line = proc.stdout.readline()
         assert line, "demo ended early"
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the foreground group
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the foreground group
+    else:
+        os.kill(proc.pid, signal.SIGTERM)  # `kill PID`, `pkill -f 'eagle3 demo'`: the demo process alone
     out = proc.communicate(timeout=90)[0]
     assert proc.returncode == 1, out
     assert "interrupted: stopping everything the demo started" in out and "Traceback" not in out
