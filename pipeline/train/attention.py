@@ -44,6 +44,8 @@ def _flash_forward(q, k, v, scale):
             return res[0], res[1], res[2:8]
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
+    except torch.OutOfMemoryError:
+        raise  # memory, not support: the fallback would need more of it, slowly
     except RuntimeError as exc:
         _fallback_note(exc)
         return (*_blocked_forward(q, k, v, scale), None)

@@ -96,6 +96,21 @@ def test_attention_on_a_gpu_equals_the_reference_in_bf16():
         assert torch.allclose(a.grad.float().cpu(), b.grad, atol=5e-2, rtol=5e-2)
 
 
+def test_out_of_memory_is_not_taken_for_an_unsupported_kernel(monkeypatch):
+    """A refused kernel falls back; running out of memory is raised as it is (the fallback needs more)."""
+    from types import SimpleNamespace
+
+    from pipeline.train import attention
+
+    def oom(*_a, **_k):
+        raise torch.OutOfMemoryError("out of memory (a test's)")
+
+    monkeypatch.setattr(attention, "aten", SimpleNamespace(_scaled_dot_product_flash_attention_for_cpu=oom))
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(torch.OutOfMemoryError):
+        ttt_attention(q, torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), [])
+
+
 def _config(**kw) -> DraftConfig:
     base = dict(hidden_size=16, target_hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 intermediate_size=24, vocab_size=50, draft_vocab_size=20, rope_theta=10000.0,
