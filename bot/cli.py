@@ -38,6 +38,11 @@ def required(**flags: str) -> tuple:
     return tuple(arg("--" + name.replace("_", "-"), required=True, help=text) for name, text in flags.items())
 
 
+# Shared arguments, declared once (sqlite-utils' shared option decorators): the commands that talk to the target
+SERVER = arg("--server", required=True, metavar="URL",
+             help="the target's SGLang base URL, e.g. http://127.0.0.1:30000")
+
+
 def command(name: str, help_text: str, *, example: str, args=()):
     """Register a subcommand handler with its one-line help, an example and its arguments."""
     def deco(fn):
@@ -326,8 +331,8 @@ def cmd_export_trace(args) -> int:
 
 @command("extract", "extract hidden states from an SGLang server into OUT (resumable)",
          example="eagle3 extract --server http://127.0.0.1:30000 --data train.jsonl --out /data/hs",
-         args=(*required(server="SGLang base URL, e.g. http://127.0.0.1:30000",
-                         data="JSONL, one sample a line with input_ids and an optional id",
+         args=(SERVER,
+               *required(data="JSONL, one sample a line with input_ids and an optional id",
                          out="output directory (hidden_states/ and manifest.sqlite)"),
                arg("--concurrency", type=int, default=32, help="requests in flight (default 32)"),
                arg("--max-retries", type=int, default=3, help="retries of a sample with a bad answer (default 3)"),
@@ -383,7 +388,8 @@ def cmd_prepare(args) -> int:
 @command("regenerate", "every assistant turn of a prepared dataset answered again by the target (SGLang /generate on "
                        "token ids), resumable; the extraction's input",
          example="eagle3 regenerate --server http://127.0.0.1:30000 --data train.jsonl --out regen.jsonl",
-         args=(*required(server="the target's SGLang URL", data="eagle3 prepare's output: id, input_ids, loss_mask",
+         args=(SERVER,
+               *required(data="eagle3 prepare's output: id, input_ids, loss_mask",
                          out="JSONL to write once every conversation is done (OUT.parts/ holds the manifest and the "
                              "finished ones meanwhile)"),
                arg("--max-new-tokens", type=int, default=4096, help="longest answer per turn (default 4096)"),
@@ -466,9 +472,8 @@ def cmd_export(args) -> int:
 
 @command("eval-draft", "acceptance length τ of an exported draft against the target's greedy continuations",
          example="eagle3 eval-draft --draft ckpt/draft --server http://127.0.0.1:30000 --data prompts.jsonl --depth 5",
-         args=(*required(draft="an exported draft directory (eagle3 export, or the trainer's OUT/draft)",
-                         server="the target's SGLang URL (greedy continuations, aux hidden states)",
-                         data="JSONL of prompts (input_ids); half learn the bigram baseline"),
+         args=(*required(draft="an exported draft directory (eagle3 export, or the trainer's OUT/draft)"), SERVER,
+               *required(data="JSONL of prompts (input_ids); half learn the bigram baseline"),
                arg("--target-model", metavar="DIR",
                    help="the target's HF directory (its embedding), unless the draft was exported --with-embeddings"),
                arg("--depth", type=int, default=5, help="draft tokens per round, --speculative-num-steps (default 5)"),
