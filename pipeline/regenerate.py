@@ -33,6 +33,7 @@ import httpx
 
 from pipeline.errors import UserError
 from pipeline.extract.dataset import scan
+from pipeline.extract.options import ClientOptions
 from pipeline.layout import lines_dir, parts_dir
 from pipeline.manifest import Manifest
 
@@ -40,17 +41,14 @@ PROGRESS_EVERY_S = 5.0
 
 
 @dataclass
-class Options:
-    server: str
-    data: Path
-    out: Path
+class Options(ClientOptions):
+    """`eagle3 regenerate` arguments (fewer requests in flight than the extraction's: each is a whole answer)."""
+
     max_new_tokens: int = 4096
     temperature: float = 0.7
     concurrency: int = 16
-    max_retries: int = 3
     timeout_s: float = 900.0
     server_wait_s: float = 0.0
-    force: bool = False
 
 
 class TurnError(Exception):

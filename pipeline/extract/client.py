@@ -23,6 +23,7 @@ import httpx
 from pipeline.errors import UserError
 from pipeline.extract import dataset as ds
 from pipeline.extract import fastparse
+from pipeline.extract.options import ClientOptions
 from pipeline.extract.parse_worker import ParseWorker, WorkerDied
 from pipeline.extract.preflight import Plan, fetch_info, plan
 from pipeline.extract.progress_line import ProgressLine
@@ -36,22 +37,14 @@ from pipeline.prepare import read_meta as read_prepare_meta
 
 
 @dataclass
-class Options:
+class Options(ClientOptions):
     """`eagle3 extract` arguments."""
 
-    server: str
-    data: Path
-    out: Path
-    concurrency: int = 32
-    max_retries: int = 3
     mode: str = "inline"
     layers: int | None = None
     target_topk: int | None = None
     dtype: str = "bf16"
     dump_field: str = "hidden_states_path"
-    server_wait_s: float = 600.0
-    force: bool = False
-    timeout_s: float = 600.0
     parser: str = "fast"  # "json": json.loads for every answer (the slow path, kept to compare against)
     max_inflight_gb: float | None = None  # None: a quarter of the memory available at start
     parse_workers: int | None = None  # processes that parse and write; 0: threads in the client; None: cores - 1
