@@ -80,54 +80,41 @@ def config_text(*, python: str, port: int, steps: int = TRAIN_STEPS, regenerate:
     # target's next token depends on the last two, so its greedy answers are all one sequence (τ 1.03, measured)
     regen = [python, "-m", "bot.cli", "regenerate", "--server", url, "--data", "data.jsonl", "--out", data,
              "--concurrency", "4", "--max-new-tokens", "24", "--temperature", "0.8", "--server-wait", "120"]
-    regen_section = f"""
-[stages.regenerate]
-# the toy target answers each conversation's assistant turns again; auto-start then starts extraction
-argv = {json.dumps(regen)}
-data = "data.jsonl"
-out = "{data}"
-restart = "on-failure"
-restart_backoff_s = 1
-""" if regenerate else ""
     train = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline.train",
              "--data", "out", "--target-model", "target", "--out", "ckpt", "--steps", str(steps),
              "--lr", "1e-2", "--ttt", "5", "--token-budget", "1024", "--save-every", "100",
              # the toy's own settings (the defaults are a real draft's: 1e-4, cosine, clip 0.5)
              "--schedule", "constant", "--warmup-ratio", "0.05", "--max-grad-norm", "1.0"]
-    return f"""# eagle3-ops demo workspace: the toy pipeline on this machine's CPU.
-[monitor]
-tick_s = 1
-stall_floor_s = 30
-fake_gpus = 2            # scripted idle GPUs in place of NVML
+    restarting = {"restart": "on-failure", "restart_backoff_s": 1}
+    sections = [
+        _section("monitor", tick_s=1, stall_floor_s=30, fake_gpus=2,
+                 notes={"fake_gpus": "scripted idle GPUs in place of NVML"}),
+        _section("handoff", server_stop_grace_s=10, gpu_release_timeout_s=60, settle_s=1, verify_sample=50),
+        _section("stages.server", argv=server, url=url, port=port, max_restarts=3, **restarting),
+        _section("stages.regenerate", argv=regen, data="data.jsonl", out=data, **restarting,
+                 notes={"argv": "the toy target answers each conversation's assistant turns again; auto-start then "
+                                "starts extraction"}) if regenerate else "",
+        _section("stages.extract", argv=extract, data=data, out="out", **restarting),
+        _section("stages.train", argv=train, out="ckpt",
+                 env={"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                      "CUDA_VISIBLE_DEVICES": ""},
+                 notes={"env": "the toy trains on the CPU whatever GPUs the host has (a 2-process run on a 1-GPU "
+                               "host would ask for cuda:1)"}),
+    ]
+    return "# eagle3-ops demo workspace: the toy pipeline on this machine's CPU.\n" + "\n".join(s for s in sections if s)
 
-[handoff]
-server_stop_grace_s = 10
-gpu_release_timeout_s = 60
-settle_s = 1
-verify_sample = 50
 
-[stages.server]
-argv = {json.dumps(server)}
-url = "{url}"
-port = {port}
-restart = "on-failure"
-max_restarts = 3
-restart_backoff_s = 1
-
-{regen_section}
-[stages.extract]
-argv = {json.dumps(extract)}
-data = "{data}"
-out = "out"
-restart = "on-failure"
-restart_backoff_s = 1
-
-[stages.train]
-argv = {json.dumps(train)}
-out = "ckpt"
-# the toy trains on the CPU whatever GPUs the host has (a 2-process run on a 1-GPU host would ask for cuda:1)
-env = {{ MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS = "1", CUDA_VISIBLE_DEVICES = "" }}
-"""
+def _section(title: str, *, notes: dict[str, str] | None = None, **fields) -> str:
+    """One TOML table: `[title]`, then `key = value` for each field (strings and lists as JSON writes them, which
+    TOML reads alike; a dict as an inline table), each after its comment line in `notes`, if any."""
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) + " }"
+        return json.dumps(v)
+    lines, notes = [f"[{title}]"], notes or {}
+    for k, v in fields.items():
+        lines += ([f"# {notes[k]}"] if k in notes else []) + [f"{k} = {value(v)}"]
+    return "\n".join(lines) + "\n"
 
 
 def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS, regenerate: bool = False,
