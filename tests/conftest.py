@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -82,6 +83,18 @@ def make_workspace(tmp_path):
 def workspace_of(tmp_path: Path, text: str) -> Workspace:
     """A workspace from config text, rooted in tmp_path (nothing written until its store is opened)."""
     return Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml")
+
+
+@contextlib.contextmanager
+def controller_of(tmp_path: Path, text: str):
+    """A controller over a workspace from config text (closed at the end)."""
+    from pipeline.controller import Controller
+
+    c = Controller(workspace=workspace_of(tmp_path, text))
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 # Commands a test runs in this process through `main(argv)` (sqlite-utils' CliRunner style): an interpreter start

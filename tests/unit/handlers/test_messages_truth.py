@@ -10,10 +10,9 @@ import pytest
 from handlers.render.blocks import ACTION_AUTOSTART, status_blocks
 from handlers.render.views import status_text, train_guard_text
 from handlers.slash import answer
-from pipeline.controller import Controller
 from pipeline.handoff import completion
 from pipeline.observe.verdict import StoredVerdict
-from tests.conftest import workspace_of
+from tests.conftest import controller_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,9 +20,8 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.fixture
 def ctl(tmp_path):
     text = "[stages.server]\nargv = [\"x\"]\n[stages.extract]\nargv = [\"y\"]\n[stages.train]\nargv = [\"z\"]\n"
-    c = Controller(workspace=workspace_of(tmp_path, text))
-    yield c
-    c.close()
+    with controller_of(tmp_path, text) as c:
+        yield c
 
 
 def add(ctl, stage: str, **row) -> int:

@@ -13,7 +13,7 @@ from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.stages.states import StageProc, StageState
 from pipeline.store import Store
-from tests.conftest import workspace_of
+from tests.conftest import controller_of, workspace_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,9 +21,8 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.fixture
 def ctl(tmp_path):
     text = "[stages.server]\nargv = [\"x\"]\ngpus = [0, 1, 2, 3]\n[stages.train]\nargv = [\"y\"]\ngpus = [2, 3]\n"
-    c = Controller(workspace=workspace_of(tmp_path, text))
-    yield c
-    c.close()
+    with controller_of(tmp_path, text) as c:
+        yield c
 
 
 def test_a_new_run_starts_with_auto_start_off(ctl):
