@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import signal
 import sqlite3
 import subprocess
@@ -304,7 +305,9 @@ def test_disk_full_on_a_real_small_filesystem(toy, tmp_path):
     try:
         write_dataset(tmp_path / "d.jsonl", 60, seed=7, lo=150, hi=200)
         res = run_extract(toy.url, tmp_path / "d.jsonl", mnt / "out", "--dtype", "fp32")
-        assert res.returncode == 2 and "No space left on device; free space" in res.stderr
+        # the filesystem fills on a hidden-state file or, as often, on the manifest's own write (sqlite's words)
+        assert res.returncode == 2 and re.search(r"(No space left on device|database or disk is full); free space",
+                                                 res.stderr), res.stderr
         assert "Traceback" not in res.stderr
         # sqlite cannot open a WAL database on a full filesystem (no room for -shm): grow it first.
         subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
