@@ -203,7 +203,7 @@ def evaluate(*, draft_dir: Path, server: str, data: Path, target_model: str | No
     half = len(seqs) // 2
     table = bigram_table([s for _, s, _ in seqs[:half]])
     chains = {"draft": Chain(depth), "no_aux": Chain(depth), "bigram": Chain(depth)}
-    with torch.no_grad():
+    with torch.inference_mode():
         for start, seq, feats in seqs[half:]:
             for name, zero in (("draft", False), ("no_aux", True)):
                 draft.zero_aux = zero

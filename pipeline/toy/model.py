@@ -61,12 +61,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = RMS_EPS) -> tor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = ROPE_THETA) -> torch.Tensor:
-    """Rotary embedding, Llama's rotate-half layout: x [..., T, D], positions [T]."""
-    d = x.shape[-1]
+def rope_tables(positions: torch.Tensor, d: int | None = None, theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, D] of Llama's rotate-half rotary embedding at `positions` [T]: once per forward, every
+    layer's queries and keys share them."""
+    d = d or HEAD_DIM
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     ang = positions.float()[:, None] * inv[None, :]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, Llama's rotate-half layout: x [..., T, D], cos and sin [T, D] (`rope_tables`)."""
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -83,21 +89,22 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
         self.down_proj = nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor],
+                cache: dict | None = None) -> torch.Tensor:
         """x [T, H] at positions after those in `cache` (the keys and values of earlier positions, extended
-        here: a decode step attends to the prompt without recomputing it)."""
+        here: a decode step attends to the prompt without recomputing it); `tables`: RoPE's at those positions."""
         T = x.shape[0]
         start = 0 if not cache else cache["k"].shape[1]
-        pos = torch.arange(start, start + T)
         h = rms_norm(x, self.input_layernorm)
         q, k, v = (p(h).view(T, HEADS, HEAD_DIM).transpose(0, 1) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = rope(q, pos), rope(k, pos)
+        q, k = rope(q, *tables), rope(k, *tables)
         if cache is not None:
             if cache:
                 k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
             cache["k"], cache["v"] = k, v
         scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)
-        scores = scores.masked_fill(torch.triu(torch.ones(T, start + T, dtype=torch.bool), start + 1), float("-inf"))
+        if T > 1:  # one new position attends to all before it: nothing to mask
+            scores = scores.masked_fill(torch.triu(torch.ones(T, start + T, dtype=torch.bool), start + 1), float("-inf"))
         att = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, HIDDEN)
         x = x + self.o_proj(att)
         h = rms_norm(x, self.post_attention_layernorm)
@@ -165,7 +172,7 @@ class ToyLM(nn.Module):
         for p in (block.gate_proj, block.up_proj, block.down_proj):
             p.weight.zero_()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, ids: list[int], *, capture: list[int] | None = None,
                 cache: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(aux [seq, 3, H], final [seq, H] post-norm, logits [seq, V]) for one prompt; aux: the inputs of the layers
@@ -175,11 +182,12 @@ class ToyLM(nn.Module):
         if not ids or seen + len(ids) > CONTEXT:
             raise ValueError(f"prompt length {seen + len(ids)} outside 1..{CONTEXT}")
         x = self.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        tables = rope_tables(torch.arange(seen, seen + len(ids)))
         wanted, aux = capture or aux_layer_ids(), {}
         for i, block in enumerate(self.layers):
             if i in wanted:
                 aux[i] = x
-            x = block(x, None if cache is None else cache[i])
+            x = block(x, tables, None if cache is None else cache[i])
         final = rms_norm(x, self.norm)
         return torch.stack([aux[i] for i in wanted], dim=1), final, self.lm_head(final)
 
