@@ -29,13 +29,14 @@ class NormalSums:
         self.yy *= f
         self.count *= f
 
-    def add(self, x: list[float], y: float) -> None:
+    def add(self, x: list[float], y: float, w: float = 1.0) -> None:
+        """Add the row (x, y) with weight w (−1 takes back a row added before)."""
         for i in range(TERMS):
-            self.xy[i] += x[i] * y
+            self.xy[i] += w * x[i] * y
             for j in range(TERMS):
-                self.xx[i][j] += x[i] * x[j]
-        self.yy += y * y
-        self.count += 1
+                self.xx[i][j] += w * x[i] * x[j]
+        self.yy += w * y * y
+        self.count += w
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -100,7 +101,7 @@ class CostModel:
         self.half_life_s = half_life_s
         self.sums = NormalSums()
         self.last_t: float | None = None
-        self.present = [True] * TERMS  # a term counts only if every row carried it
+        self.missing = [0] * TERMS  # rows (in the fit now) without each term: a term counts only if none lacks it
         self._coef: tuple[float, ...] | None = None
         self._dirty = True
 
@@ -109,13 +110,23 @@ class CostModel:
         """Record that `samples` (with `tokens` and Σtokens² `tokens_sq`) took `dt` seconds, ending at `t`."""
         self._decay(t)
         x = [samples, tokens, tokens_sq]
-        for i, v in enumerate(x):
-            if v is None:
-                self.present[i] = False
+        self.missing = [m + (v is None) for m, v in zip(self.missing, x, strict=True)]
         self.sums.add([v or 0.0 for v in x], dt)
 
+    def remove(self, *, dt: float, samples: float, tokens: float | None, tokens_sq: float | None = None) -> None:
+        """Take back a row added before: a window's fit (no decay, `half_life_s=math.inf`) as rows leave it."""
+        self._dirty = True
+        x = [samples, tokens, tokens_sq]
+        self.missing = [m - (v is None) for m, v in zip(self.missing, x, strict=True)]
+        self.sums.add([v or 0.0 for v in x], dt, w=-1.0)
+
+    @property
+    def present(self) -> list[bool]:
+        """Which terms every row in the fit carried."""
+        return [m == 0 for m in self.missing]
+
     def _decay(self, t: float) -> None:
-        if self.last_t is not None and t > self.last_t:
+        if self.last_t is not None and t > self.last_t and math.isfinite(self.half_life_s):
             self.sums.scale(0.5 ** ((t - self.last_t) / self.half_life_s))
         self.last_t = t
         self._dirty = True

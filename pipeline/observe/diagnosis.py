@@ -16,6 +16,7 @@ linear time); `diagnose(history)` is the same fold over a list. Evidence rules:
 
 from __future__ import annotations
 
+import math
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,7 +69,10 @@ class Diagnoser:
         self.healthy_since: float | None = None
         self.unhealthy_since: float | None = None
         self.ever_healthy = False
-        self._baseline: tuple[float, CostModel | None] = (float("-inf"), None)
+        # the slow check's baseline: a fit over the intervals between baseline_window_s + slow_window_s and
+        # slow_window_s ago, kept as they enter and leave it (the first `_in_baseline` of `intervals` are in it)
+        self._baseline = CostModel(half_life_s=math.inf)
+        self._in_baseline = 0
         self.slow = False
         self.gpus_busy: tuple[float, str] | None = None  # (when, "GPUs 0–7 busy at 640 W"): the last such tick
 
@@ -121,7 +125,10 @@ class Diagnoser:
             self.last_moments = moments
         horizon = t - self.policy.baseline_window_s - self.policy.slow_window_s
         while self.intervals and self.intervals[0][0] < horizon:
-            self.intervals.popleft()
+            _, dt, dn, dk = self.intervals.popleft()
+            if self._in_baseline:
+                self._baseline.remove(dt=dt, samples=dn, tokens=dk)
+                self._in_baseline -= 1
 
     def _track_server(self, t: float, server: dict | None) -> None:
         healthy = server.get("healthy") if isinstance(server, dict) else None
@@ -351,15 +358,12 @@ class Diagnoser:
         p = self.policy
         if self.first_t is None or t - self.first_t < p.slow_window_s + p.baseline_window_s / 3:
             return None
-        cached_at, model = self._baseline
-        if t - cached_at >= 60:
-            model = CostModel(half_life_s=1e12)
-            for end, dt, dn, dk in self.intervals:
-                if end < t - p.slow_window_s:
-                    model.add(t=end, dt=dt, samples=dn, tokens=dk)
-            self._baseline = (t, model if model.sums.count >= 10 else None)
-            model = self._baseline[1]
-        if model is None:
+        model = self._baseline
+        while self._in_baseline < len(self.intervals) and self.intervals[self._in_baseline][0] < t - p.slow_window_s:
+            end, dt, dn, dk = self.intervals[self._in_baseline]
+            model.add(t=end, dt=dt, samples=dn, tokens=dk)
+            self._in_baseline += 1
+        if model.sums.count < 9.5:  # fewer than 10 intervals (a count that rows left may leave at 9.999…)
             return None
         recent = [iv for iv in self.intervals if iv[0] >= t - p.slow_window_s]
         if len(recent) < 3:
