@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import json
 import os
@@ -85,16 +84,14 @@ def workspace_of(tmp_path: Path, text: str) -> Workspace:
     return Workspace(config=parse_config(text, name="t.toml"), path=tmp_path / "t.toml")
 
 
-@contextlib.contextmanager
-def controller_of(tmp_path: Path, text: str):
-    """A controller over a workspace from config text (closed at the end)."""
+@pytest.fixture
+def ctl(request, tmp_path):
+    """A controller over the requesting test module's CONFIG (config text), closed after the test."""
     from pipeline.controller import Controller
 
-    c = Controller(workspace=workspace_of(tmp_path, text))
-    try:
-        yield c
-    finally:
-        c.close()
+    c = Controller(workspace=workspace_of(tmp_path, request.module.CONFIG))
+    yield c
+    c.close()
 
 
 # Commands a test runs in this process through `main(argv)` (sqlite-utils' CliRunner style): an interpreter start

@@ -205,7 +205,11 @@ class DrillWorkspace:
         self.check_samples(tally, trial)
         self.check_delivery(tally, trial, fake)
 
-    def check_clean(self, tally: Tally, trial: int) -> None:
+    def check_clean(self, tally: Tally, trial: int, svc: subprocess.Popen | None = None) -> None:
+        """After a trial, pass or fail: `eagle3 serve` (svc) ended, every stage stopped, no process of the
+        workspace left (an orphan is a problem, then killed)."""
+        if svc:
+            self.terminate(svc)
         self.stop_all()
         left = self.leftovers()
         if left:
@@ -322,9 +326,7 @@ def server_crash(base: Path, *, trials: int, seed: int = 2) -> Tally:
             ws.terminate(svc)
             ws.check_outcome(tally, trial, fake)
         finally:
-            if svc:
-                ws.terminate(svc)
-            ws.check_clean(tally, trial)
+            ws.check_clean(tally, trial, svc)
             fake.close()
         tally.trials += 1
     tally.seconds = time.time() - started
@@ -396,9 +398,7 @@ def disk_full(base: Path, *, trials: int) -> Tally:
             ws.terminate(svc)
             ws.check_outcome(tally, trial, fake)
         finally:
-            if svc:
-                ws.terminate(svc)
-            ws.check_clean(tally, trial)
+            ws.check_clean(tally, trial, svc)
             subprocess.run(["umount", "-l", str(out)], capture_output=True)
             fake.close()
         tally.trials += 1

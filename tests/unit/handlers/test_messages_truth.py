@@ -12,16 +12,12 @@ from handlers.render.views import status_text, train_guard_text
 from handlers.slash import answer
 from pipeline.handoff import completion
 from pipeline.observe.verdict import StoredVerdict
-from tests.conftest import controller_of
 
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-def ctl(tmp_path):
-    text = "[stages.server]\nargv = [\"x\"]\n[stages.extract]\nargv = [\"y\"]\n[stages.train]\nargv = [\"z\"]\n"
-    with controller_of(tmp_path, text) as c:
-        yield c
+# the config of the `ctl` fixture's controller (tests/conftest.py)
+CONFIG = "[stages.server]\nargv = [\"x\"]\n[stages.extract]\nargv = [\"y\"]\n[stages.train]\nargv = [\"z\"]\n"
 
 
 def add(ctl, stage: str, **row) -> int:

@@ -13,16 +13,13 @@ from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.stages.states import StageProc, StageState
 from pipeline.store import Store
-from tests.conftest import controller_of, workspace_of
+from tests.conftest import workspace_of
 
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-def ctl(tmp_path):
-    text = "[stages.server]\nargv = [\"x\"]\ngpus = [0, 1, 2, 3]\n[stages.train]\nargv = [\"y\"]\ngpus = [2, 3]\n"
-    with controller_of(tmp_path, text) as c:
-        yield c
+# the config of the `ctl` fixture's controller (tests/conftest.py)
+CONFIG = "[stages.server]\nargv = [\"x\"]\ngpus = [0, 1, 2, 3]\n[stages.train]\nargv = [\"y\"]\ngpus = [2, 3]\n"
 
 
 def test_a_new_run_starts_with_auto_start_off(ctl):
