@@ -363,7 +363,7 @@ class Diagnoser:
             end, dt, dn, dk = self.intervals[self._in_baseline]
             model.add(t=end, dt=dt, samples=dn, tokens=dk)
             self._in_baseline += 1
-        if model.sums.count < 9.5:  # fewer than 10 intervals (a count that rows left may leave at 9.999…)
+        if model.sums.count < 10:  # too few intervals for a baseline (the count is whole: rows enter and leave as ±1)
             return None
         recent = [iv for iv in self.intervals if iv[0] >= t - p.slow_window_s]
         if len(recent) < 3:
