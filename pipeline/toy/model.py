@@ -61,10 +61,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = RMS_EPS) -> tor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rope_tables(positions: torch.Tensor, d: int | None = None, theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [T, D] of Llama's rotate-half rotary embedding at `positions` [T]: once per forward, every
-    layer's queries and keys share them."""
-    d = d or HEAD_DIM
+def rope_tables(positions: torch.Tensor, theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, HEAD_DIM] of Llama's rotate-half rotary embedding at `positions` [T]: once per forward,
+    every layer's queries and keys share them."""
+    d = HEAD_DIM
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     ang = positions.float()[:, None] * inv[None, :]
     return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
@@ -103,8 +103,9 @@ class Block(nn.Module):
                 k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
             cache["k"], cache["v"] = k, v
         scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM)
-        if T > 1:  # one new position attends to all before it: nothing to mask
-            scores = scores.masked_fill(torch.triu(torch.ones(T, start + T, dtype=torch.bool), start + 1), float("-inf"))
+        if T > 1:  # causal mask; a one-token decode step attends to every position before it, nothing to mask
+            future = torch.triu(torch.ones(T, start + T, dtype=torch.bool), start + 1)
+            scores = scores.masked_fill(future, float("-inf"))
         att = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, HIDDEN)
         x = x + self.o_proj(att)
         h = rms_norm(x, self.post_attention_layernorm)
