@@ -23,6 +23,12 @@ from pathlib import Path
 
 import torch
 
+try:  # an answer's hidden states are ~1,000 floats a token: orjson writes them 20× faster than json (the same values)
+    from orjson import dumps as _dumps
+except ImportError:  # a `train` extra installed before orjson joined it
+    def _dumps(body) -> bytes:
+        return json.dumps(body).encode()
+
 from pipeline.draft.capture import captured_layers
 from pipeline.toy.model import HIDDEN, LAYERS, VOCAB, ToyLM, export_target
 
@@ -134,7 +140,7 @@ def make_handler(state: ToyState):
             pass
 
         def _send(self, code: int, body, ctype: str = "application/json") -> None:
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            data = body if isinstance(body, bytes) else _dumps(body)
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
