@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.extract.dataset import scan
+from pipeline.extract.writer import non_finite, read_sample
 from pipeline.layout import sample_path
 from pipeline.manifest import MANIFEST_NAME, read_done
 
@@ -25,10 +26,7 @@ class VerifyResult:
 
 
 def verify(out: Path, *, sample: int = 200, seed: int | None = None) -> VerifyResult:
-    """Check up to `sample` random done files against the manifest meta and the data."""
-    import torch
-    from safetensors import safe_open
-
+    """Check up to `sample` random done files against the manifest meta and the data (read without torch)."""
     res = VerifyResult()
     path = Path(out) / MANIFEST_NAME
     if not path.exists():
@@ -42,24 +40,24 @@ def verify(out: Path, *, sample: int = 200, seed: int | None = None) -> VerifyRe
     layers, hidden = int(meta.get("layers", 0)), int(meta.get("hidden_size", 0) or 0)
     chosen = sorted(random.Random(seed).sample(done, min(sample, len(done))))
     data = _data(meta.get("data_path"))
-    final_absent = meta.get("final_layer") == "absent"
+    want = {"token_ids", "hidden_states"} | ({"target_topk_ids", "target_topk_logprobs"}
+                                             if meta.get("final_layer") == "absent" else set())
     for idx in chosen:
         f = sample_path(Path(out), idx)
         try:
-            with safe_open(str(f), framework="pt") as st:
-                keys = set(st.keys())
-                want = {"token_ids", "hidden_states"} | ({"target_topk_ids", "target_topk_logprobs"} if final_absent else set())
-                if not want <= keys:
-                    res.problems.append(f"{f.name}: missing tensors {sorted(want - keys)}")
-                    continue
-                ids, hs = st.get_tensor("token_ids"), st.get_tensor("hidden_states")
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding, not a crash
+            tensors = read_sample(f)
+        except (OSError, ValueError) as exc:  # any unreadable file is a finding, not a crash
             res.problems.append(f"{f.name}: unreadable ({type(exc).__name__}: {exc})")
             continue
+        if not want <= tensors.keys():
+            res.problems.append(f"{f.name}: missing tensors {sorted(want - tensors.keys())}")
+            continue
         res.checked += 1
-        if hs.dim() != 3 or hs.shape[0] != ids.shape[0] or hs.shape[1] != layers or (hidden and hs.shape[2] != hidden):
-            res.problems.append(f"{f.name}: hidden_states {tuple(hs.shape)}, expected ({ids.shape[0]}, {layers}, {hidden})")
-        elif not torch.isfinite(hs.float()).all():
+        ids, hs = tensors["token_ids"].array, tensors["hidden_states"]
+        shape = hs.shape
+        if len(shape) != 3 or ids.ndim != 1 or shape[0] != ids.shape[0] or shape[1] != layers or (hidden and shape[2] != hidden):
+            res.problems.append(f"{f.name}: hidden_states {shape}, expected ({ids.shape[0]}, {layers}, {hidden})")
+        elif non_finite(hs):
             res.problems.append(f"{f.name}: non-finite values")
         if data and ids.tolist() != data(idx):
             res.problems.append(f"{f.name}: token_ids differ from data line {idx + 1}")

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.extract.writer import tensors_for, to_bf16_bits, write_sample
+from pipeline.extract.verify import verify
+from pipeline.extract.writer import Tensor, read_sample, tensors_for, to_bf16_bits, write_sample
 from tests.conftest import ROOT
 
 
@@ -66,6 +67,14 @@ def test_files_are_byte_for_byte_the_torch_writers(tmp_path, dtype, torch_dtype)
     assert ours[0] == theirs[0] and ours[1] == theirs[1]
     back = load_file(tmp_path / "ours.safetensors")
     assert back["hidden_states"].dtype == torch_dtype and back["hidden_states"].shape == (seq, layers, width)
+    # and read back without torch (verify's reader): every tensor's bytes, dtype and shape as torch reads them
+    read = read_sample(tmp_path / "torch.safetensors")
+    assert read.keys() == reference.keys()
+    for name, t in reference.items():
+        ours_t = read[name]
+        assert ours_t.dtype == str(t.dtype).removeprefix("torch.") and ours_t.shape == tuple(t.shape)
+        assert ours_t.array.tobytes() == t.numpy().tobytes() if t.dtype != torch.bfloat16 else \
+            ours_t.array.tobytes() == t.view(torch.int16).numpy().tobytes()
 
 
 def test_the_extraction_client_starts_without_torch():
@@ -86,3 +95,38 @@ def test_a_sample_file_gets_the_mode_the_umask_allows(tmp_path, mask, mode):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == mode
+
+
+@pytest.fixture
+def extraction_copy(tmp_path, toy_extraction):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(toy_extraction["out"], out)
+    return out
+
+
+def test_verify_reads_without_torch_and_finds_each_fault(extraction_copy):
+    """verify runs in the bot's service at the handoff: it reads the files with numpy (torch would cost the
+    service ~2 CPU-s and ~300 MB for good), and still finds a truncated file, a NaN, a wrong shape."""
+    out = extraction_copy
+    code = ("import sys; from pipeline.extract.verify import verify; r = verify(sys.argv[1], sample=500); "
+            "print(r.checked, r.ok, 'torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["160", "True", "False"], res.stdout + res.stderr
+
+    files = sorted((out / "hidden_states").iterdir(), key=lambda f: int(f.stem.split("_")[1]))
+    files[3].write_bytes(files[3].read_bytes()[:-10])  # truncated
+    t = read_sample(files[5])
+    hs = t["hidden_states"].array.copy()
+    hs[0, 0, 0] = 0x7FC0  # a bfloat16 NaN
+    write_sample(files[5], {**t, "hidden_states": Tensor("bfloat16", hs)}, {})
+    t7 = read_sample(files[7])
+    write_sample(files[7], {**t7, "hidden_states": Tensor("bfloat16", t7["hidden_states"].array[:, :2])}, {})
+    files[9].write_bytes(b"\x00" * 7)  # no header
+    problems = verify(out, sample=500).problems
+    assert len(problems) == 4, problems
+    assert problems[0].startswith(f"{files[3].name}: unreadable (ValueError: hidden_states: its data")
+    assert problems[1] == f"{files[5].name}: non-finite values"
+    assert problems[2].startswith(f"{files[7].name}: hidden_states ({t7['token_ids'].shape[0]}, 2, "), problems
+    assert problems[3] == f"{files[9].name}: unreadable (ValueError: no safetensors header (7 bytes))"
