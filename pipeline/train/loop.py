@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,7 +311,12 @@ def run(args: argparse.Namespace) -> int:
         start = _resume_point(args, out, d, model, opt, sched, cfg, origin)
         # Buffers (the frozen target embedding, d2t, t2d) are identical on every rank by construction:
         # broadcasting them each step would move the whole embedding (4.7 GB at V = 163,840, H = 7,168).
-        ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
+        # torch 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still broadcasts them once at
+        # init: the old flag stays (its own advice until `init_sync_buffers` exists), without its warning in
+        # every rank's log.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
         ctx = Ctx(target=target, head=TargetHead(frozen(target.head, d.device), model), final_norm=final_norm, cfg=cfg,
                   origin=origin)
         return _loop(args, d, ddp, model, opt, sched, corpus, ctx, start, out)
