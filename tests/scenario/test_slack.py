@@ -128,7 +128,8 @@ def test_button_double_click_is_one_state_change_and_updates_the_message(slack):
     assert click(slack, "eagle3_autostart_on", button["value"]).status_code == 200
     assert click(slack, "eagle3_autostart_on", button["value"]).status_code == 200
     fake = slack["fake"]
-    wait_for(lambda: fake.of("chat.update") and fake.of("response_url"), what="update and stale answer")
+    # the work after the ack runs in the app's pool: 10 s was not always enough on 2 saturated cores
+    wait_for(lambda: fake.of("chat.update") and fake.of("response_url"), timeout=30, what="update and stale answer")
     update = fake.of("chat.update")[0]
     assert update["ts"] == "1790000000.000100" and "chose *Auto-start training*" in update["text"]
     # the status post keeps being the status, with the outcome as a context line and buttons for the new state
