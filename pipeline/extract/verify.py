@@ -54,9 +54,9 @@ def verify(out: Path, *, sample: int = 200, seed: int | None = None) -> VerifyRe
             continue
         res.checked += 1
         ids, hs = tensors["token_ids"].array, tensors["hidden_states"]
-        shape = hs.shape
-        if len(shape) != 3 or ids.ndim != 1 or shape[0] != ids.shape[0] or shape[1] != layers or (hidden and shape[2] != hidden):
-            res.problems.append(f"{f.name}: hidden_states {shape}, expected ({ids.shape[0]}, {layers}, {hidden})")
+        shape, seq = hs.shape, (len(ids) if ids.ndim == 1 else "?")
+        if len(shape) != 3 or shape[0] != seq or shape[1] != layers or (hidden and shape[2] != hidden):
+            res.problems.append(f"{f.name}: hidden_states {shape}, expected ({seq}, {layers}, {hidden})")
         elif non_finite(hs):
             res.problems.append(f"{f.name}: non-finite values")
         if data and ids.tolist() != data(idx):

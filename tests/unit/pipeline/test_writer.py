@@ -124,9 +124,13 @@ def test_verify_reads_without_torch_and_finds_each_fault(extraction_copy):
     t7 = read_sample(files[7])
     write_sample(files[7], {**t7, "hidden_states": Tensor("bfloat16", t7["hidden_states"].array[:, :2])}, {})
     files[9].write_bytes(b"\x00" * 7)  # no header
+    t11 = read_sample(files[11])
+    write_sample(files[11], {**t11, "token_ids": Tensor("int64", t11["token_ids"].array[None])}, {})  # [1, seq]
     problems = verify(out, sample=500).problems
-    assert len(problems) == 4, problems
+    assert len(problems) == 6, problems
     assert problems[0].startswith(f"{files[3].name}: unreadable (ValueError: hidden_states: its data")
     assert problems[1] == f"{files[5].name}: non-finite values"
     assert problems[2].startswith(f"{files[7].name}: hidden_states ({t7['token_ids'].shape[0]}, 2, "), problems
     assert problems[3] == f"{files[9].name}: unreadable (ValueError: no safetensors header (7 bytes))"
+    assert problems[4].startswith(f"{files[11].name}: hidden_states (") and "expected (?, " in problems[4]
+    assert problems[5] == f"{files[11].name}: token_ids differ from data line 12"
