@@ -3,6 +3,12 @@
 Rows are (samples, tokens, Σtokens²) against seconds; the coefficients are non-negative (a cost
 cannot be negative): the best fit over every subset of the terms is kept, and the uncertainty comes
 from the unconstrained fit. See `pipeline/observe/eta.py` for how the ETA uses it.
+
+Where the rows do not tell the cost's curvature (data in two or three length buckets: a line and a
+parabola fit two levels equally well), `CostModel.predict_range` gives the range of predictions over
+every non-negative fit the rows cannot tell from the best: the quadratic coefficient stepped from 0 to
+beyond the steepest fit, (a, b) fitted at each step, kept where the residual sum of squares is within
+`PROFILE_KAPPA` residual variances of the best (the profile likelihood's ~95 % interval for c).
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 TERMS = 3  # samples, tokens, tokens²
+PROFILE_KAPPA = 4.0  # χ² with one degree of freedom at ~95 %
+PROFILE_STEPS = 48
 
 
 @dataclass
@@ -94,6 +102,41 @@ def fit_nonnegative(s: NormalSums, present: list[bool]) -> tuple[tuple[float, ..
     return coef_t, (full, scale, a_full, max(rss, 0.0) / max(s.count - len(full), 1.0))
 
 
+def _fit_given_c(s: NormalSums, c: float, usable: list[int]) -> tuple[float, list[float]]:
+    """(rss, coefficients) of the best non-negative (a, b) with the quadratic coefficient held at c."""
+    yy = s.yy - 2 * c * s.xy[2] + c * c * s.xx[2][2]
+    xy = [s.xy[i] - c * s.xx[i][2] for i in range(2)]
+    best: tuple[float, list[float]] = (yy, [0.0, 0.0, c])
+    for r in range(1, len(usable) + 1):
+        for sub in itertools.combinations(usable, r):
+            beta = _solve([[s.xx[i][j] for j in sub] for i in sub], [xy[i] for i in sub])
+            if beta is None or min(beta) < 0:
+                continue
+            rss = yy - 2 * sum(bi * xy[i] for bi, i in zip(beta, sub, strict=True)) + sum(
+                beta[p] * beta[q] * s.xx[i][j] for p, i in enumerate(sub) for q, j in enumerate(sub))
+            if rss < best[0]:
+                coef = [0.0, 0.0, c]
+                for bi, i in zip(beta, sub, strict=True):
+                    coef[i] = bi
+                best = (rss, coef)
+    return best
+
+
+def profile_c(s: NormalSums, present: list[bool]) -> list[list[float]] | None:
+    """The non-negative fits (coefficient triples) the rows cannot tell from the best, over a grid of
+    the quadratic coefficient; None where there is no quadratic term to profile."""
+    if not present[2] or s.xx[2][2] <= 0 or s.count <= TERMS + 1:
+        return None
+    usable = [i for i in range(2) if present[i] and s.xx[i][i] > 0]
+    steepest = s.xy[2] / s.xx[2][2]  # all of the time on tokens² (no a, no b)
+    if steepest <= 0:
+        return None
+    fits = [_fit_given_c(s, 1.25 * steepest * k / PROFILE_STEPS, usable) for k in range(PROFILE_STEPS + 1)]
+    least = min(rss for rss, _ in fits)
+    limit = least + PROFILE_KAPPA * max(least, 0.0) / (s.count - TERMS)
+    return [coef for rss, coef in fits if rss <= limit]
+
+
 class CostModel:
     """Decayed weighted non-negative least squares of time on the work done."""
 
@@ -104,6 +147,8 @@ class CostModel:
         self.missing = [0] * TERMS  # rows (in the fit now) without each term: a term counts only if none lacks it
         self._coef: tuple[float, ...] | None = None
         self._dirty = True
+        self._profile: list[list[float]] | None = None
+        self._profile_dirty = True
 
     def add(self, *, t: float, dt: float, samples: float, tokens: float | None,
             tokens_sq: float | None = None) -> None:
@@ -115,7 +160,7 @@ class CostModel:
 
     def remove(self, *, dt: float, samples: float, tokens: float | None, tokens_sq: float | None = None) -> None:
         """Take back a row added before: a window's fit (no decay, `half_life_s=math.inf`) as rows leave it."""
-        self._dirty = True
+        self._dirty = self._profile_dirty = True
         x = [samples, tokens, tokens_sq]
         self.missing = [m - (v is None) for m, v in zip(self.missing, x, strict=True)]
         self.sums.add([v or 0.0 for v in x], dt, w=-1.0)
@@ -129,7 +174,7 @@ class CostModel:
         if self.last_t is not None and t > self.last_t and math.isfinite(self.half_life_s):
             self.sums.scale(0.5 ** ((t - self.last_t) / self.half_life_s))
         self.last_t = t
-        self._dirty = True
+        self._dirty = self._profile_dirty = True
 
     def coefficients(self) -> tuple[float, ...] | None:
         """(seconds per sample, per token, per token²), all ≥ 0, or None before any data."""
@@ -142,6 +187,19 @@ class CostModel:
     def sigma2(self) -> float:
         """The residual variance of a row (0 before a fit)."""
         return self._fit[3] if self.coefficients() is not None else 0.0
+
+    def predict_range(self, *, samples: float, tokens: float | None,
+                      tokens_sq: float | None = None) -> tuple[float, float] | None:
+        """(lowest, highest) prediction over the non-negative fits the rows cannot tell from the best
+        (`profile_c`); None without a quadratic term or data."""
+        if self.coefficients() is None or tokens is None or tokens_sq is None:
+            return None
+        if self._profile is None or self._profile_dirty:
+            self._profile_dirty = False
+            self._profile = profile_c(self.sums, self.present) or []
+        values = (samples, tokens, tokens_sq)
+        preds = [sum(c * v for c, v in zip(coef, values, strict=True)) for coef in self._profile]
+        return (min(preds), max(preds)) if preds else None
 
     def predict_sd(self, *, samples: float, tokens: float | None, tokens_sq: float | None = None) -> float | None:
         """The standard error of `predict` for this much work: σ·√(x'(X'X)⁻¹x) with σ from the residuals.

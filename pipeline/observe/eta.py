@@ -26,8 +26,14 @@ expected latency is proportional to its own cost).
 
 Where the stage reports neither (only done/total/tokens), a span's Σtokens² is taken as tokens² /
 samples — exact when its prompts are alike, as on length-sorted data, and proportional to the truth on
-shuffled data — and the work left's is estimated from its mean and the current length
-(`EtaEstimator._sq_left_range`), its bounds widening the band.
+shuffled data — and the work left's is estimated (`EtaEstimator._sq_left_range`): on length-sorted data
+from its mean and the current length; on unsorted data (buckets in random order, shuffled) between
+all-alike and as spread as the spans seen so far. Its bounds widen the band.
+
+Where the spans cannot tell the cost's curvature — two or three length levels seen, as at a quarter of
+data sorted into length buckets, which a line and a parabola fit alike — the estimate is the geometric
+centre of the non-negative fits they cannot tell from the best (`CostModel.predict_range`), and the band
+spans them: "4–7 h" rather than whichever extrapolation the noise favours.
 """
 
 from __future__ import annotations
@@ -64,6 +70,10 @@ class EtaEstimator:
     EARLY_BAND_RATIO = 3.0
     SPANS_PER_RUN = 60.0
     SPAN_MIN_S, SPAN_MAX_S = 20.0, 300.0
+    # A span with token counts holds at least this many samples (up to SPAN_LONGEST_S): a span of a few
+    # long samples has its time cut mid-sample at both ends, which blurs how much its prompts cost
+    # (regression dilution attenuates the quadratic term on long, varied prompts).
+    SPAN_MIN_SAMPLES, SPAN_LONGEST_S = 25, 900.0
     EXTRAPOLATION_LIMIT = 3.5  # the prompts left may be this much longer than the longest span's
     # From a quarter of the work on an estimate is always given: "4–7 h" is an answer, "unknown" is not
     # (the seed's operator asked at 49 %). Before it, a guess may still be withheld, with its reason.
@@ -93,6 +103,7 @@ class EtaEstimator:
         # are alike, as on length-sorted data) and the work left's is estimated (`_sq_left_range`).
         self.sq_proxy = False
         self.recent_length: float | None = None  # the last span's mean prompt length, tokens
+        self.span_lengths: list[tuple[float, float]] = []  # each span's (samples, mean prompt length)
 
     def add(self, *, t: float, dt: float, samples: float, tokens: float | None, tokens_sq: float | None = None,
             latency: LatencyProfile | None = None) -> None:
@@ -114,7 +125,8 @@ class EtaEstimator:
         o[3] += tokens_sq or 0.0
         self._has = [self._has[0] and tokens is not None, self._has[1] and tokens_sq is not None]
         span = min(self.SPAN_MAX_S, max(self.SPAN_MIN_S, (t - self.first_t) / self.SPANS_PER_RUN))
-        if o[0] >= span:
+        whole = o[1] >= self.SPAN_MIN_SAMPLES or not self._has[0] or o[0] >= self.SPAN_LONGEST_S
+        if o[0] >= span and whole:
             k = o[2] if self._has[0] else None
             q = o[3] if self._has[1] else None
             if q is None and k is not None:  # Σtokens² not reported: the span's as if its prompts were alike
@@ -122,6 +134,7 @@ class EtaEstimator:
                 self.sq_proxy = True
             if k is not None:
                 self.recent_length = k / o[1]
+                self.span_lengths.append((o[1], k / o[1]))
             self.short.add(t=t, dt=o[0], samples=o[1], tokens=k, tokens_sq=q)
             self.long.add(t=t, dt=o[0], samples=o[1], tokens=k, tokens_sq=q)
             self.intervals += 1
@@ -159,13 +172,12 @@ class EtaEstimator:
         if tokens_sq_left is None and self.sq_proxy and tokens_left is not None:
             sq_range = self._sq_left_range(samples_left, tokens_left)
             tokens_sq_left = sq_range[1]
-        short = self.short.predict(samples=samples_left, tokens=tokens_left, tokens_sq=tokens_sq_left)
-        long = self.long.predict(samples=samples_left, tokens=tokens_left, tokens_sq=tokens_sq_left)
-        if short is None or long is None or short <= 0 or long <= 0:
+        short, long = (self._centred(m, samples_left, tokens_left, tokens_sq_left) for m in (self.short, self.long))
+        if short is None or long is None or short[0] <= 0 or long[0] <= 0:
             self.why = "the cost fit has no term for the work left (token counts missing)"
             return None
-        eta = 0.5 * short + 0.5 * long
-        spread = [short, long]
+        eta = 0.5 * short[0] + 0.5 * long[0]
+        spread = [*short, *long]
         if sq_range is not None and answer:  # past a quarter: the bounds of what is not known
             k2n = tokens_left * tokens_left / samples_left  # Σtokens² left: all prompts alike …
             sq_range = (min(sq_range[0], k2n), sq_range[1], max(sq_range[2], self.SPREAD_BOUND * k2n))  # … to CV 1
@@ -186,20 +198,65 @@ class EtaEstimator:
         sd = self.long.predict_sd(samples=samples_left, tokens=tokens_left, tokens_sq=tokens_sq_left) or 0.0
         return self._banded(eta, spread, 2 * sd, answer=answer)
 
+    @staticmethod
+    def _centred(model: CostModel, n: float, k: float | None, q: float | None) -> tuple[float, ...] | None:
+        """(estimate, lowest, highest) of one memory's prediction. Where the spans cannot tell the cost's
+        curvature (two or three length buckets seen: a line and a parabola fit them alike), the estimate
+        is the geometric centre of the fits they cannot tell apart (`CostModel.predict_range`), the
+        point whose worst error over that range is smallest in ratio, rather than whichever the noise
+        favours; where they can, the range is narrow and its centre the best fit."""
+        best = model.predict(samples=n, tokens=k, tokens_sq=q)
+        if best is None:
+            return None
+        rng = model.predict_range(samples=n, tokens=k, tokens_sq=q)
+        if rng is None or rng[0] <= 0:
+            return (best,)
+        return (math.sqrt(rng[0] * rng[1]), *rng)
+
     def _sq_left_range(self, n: float, k: float) -> tuple[float, float, float]:
-        """(low, estimate, high) of Σtokens² over the work left when the stage does not report it. At
-        least k² / n (all prompts alike). The estimate: the prompts left spread from the current length
-        to beyond their mean as an exponential tail would (length-sorted data: the rest are the longer
-        prompts; on shuffled data the current length is the mean and the spread term vanishes), which on
-        lognormal lengths sorted ascending comes within 5 % of the truth from 10 % to 75 % progress. Shorter
-        prompts to come (sorted descending): alike at best, spread as far as the current length at worst."""
+        """(low, estimate, high) of Σtokens² over the work left when the stage
+        does not report it. At least k² / n (all prompts alike). On length-sorted data (the spans' lengths
+        rank with time, and the prompts left are longer — or shorter — still) the prompts left spread from
+        the current length to beyond their mean as an exponential tail would, which on lognormal lengths
+        sorted ascending comes within 5 % of the truth from 10 % to 75 % progress; shorter prompts to come
+        (sorted descending): alike at best, spread as far as the current length at worst. On unsorted data
+        (buckets in random order, shuffled) the prompts left spread about their mean at most as the spans
+        seen spread about theirs (fewer buckets left spread less), and the estimate is the centre between."""
         mean = k / n
         floor = k * k / n
         current = self.recent_length or mean
         spread = n * (mean - current) ** 2
+        trend = self._trend()
+        # sorted ascending: the spans' lengths rise and the prompts left are longer still; descending:
+        # the reverse. Anything else (buckets in random order, shuffled data) is unordered.
+        ordered = trend is None or (trend >= self.TREND_RANK and mean >= current) or (
+            trend <= -self.TREND_RANK and mean <= current)
+        if not ordered:
+            # no order by length (buckets in random order, shuffled data): the prompts left spread about
+            # their mean as much as the spans seen so far spread about theirs, at most
+            w = sum(c for c, _ in self.span_lengths)
+            mu = sum(c * m for c, m in self.span_lengths) / w
+            high = floor * (1.0 + sum(c * (m - mu) ** 2 for c, m in self.span_lengths) / w / (mu * mu))
+            return floor, math.sqrt(floor * high), high
         if mean < current:  # shorter prompts to come (sorted descending): no tail beyond
             return floor, floor, floor + spread
         return floor, floor + spread, floor + 2 * spread
+
+    TREND_RANK = 0.6  # |rank correlation| of span lengths with time from which the data count as sorted
+
+    def _trend(self) -> float | None:
+        """Spearman's rank correlation of the spans' mean lengths with time (None before 3 spans)."""
+        means = [m for _, m in self.span_lengths]
+        if len(means) < 3:
+            return None
+        ranks = [0.0] * len(means)
+        for r, i in enumerate(sorted(range(len(means)), key=means.__getitem__)):
+            ranks[i] = float(r)
+        n = len(means)
+        mid = (n - 1) / 2
+        num = sum((r - mid) * (i - mid) for i, r in enumerate(ranks))
+        den = sum((i - mid) ** 2 for i in range(n))
+        return num / den
 
     def _by_latency(self, n: float, k: float, q: float, *, answer: bool) -> Eta | None:
         """The latency path: Σ of each remaining sample's fitted latency, times wall seconds per latency
