@@ -39,7 +39,11 @@ def _score(sc: Scenario) -> dict:
 ETA_WORKLOADS = [("shuffled", 1.4e-8, "latency"), ("ascending", 1.4e-8, "latency"), ("shuffled", 1.5e-7, "latency"),
                  ("ascending", 1.5e-7, "latency"), ("bucketed", 1.5e-7, "latency"), ("descending", 1.5e-7, "latency"),
                  ("bucketed", 1.5e-7, "sq"), ("shuffled", 1.5e-7, "tokens"), ("ascending", 1.5e-7, "tokens"),
-                 ("bucketed", 1.5e-7, "tokens"), ("random-buckets", 1.5e-7, "tokens"), ("descending", 1.5e-7, "tokens")]
+                 ("bucketed", 1.5e-7, "tokens"), ("random-buckets", 1.5e-7, "tokens"), ("descending", 1.5e-7, "tokens"),
+                 # issue 31: at 25 % of ascending buckets two length levels are seen, which a line and a parabola
+                 # fit alike; the estimate is the centre of the fits the spans cannot tell apart, so how close it
+                 # comes depends on where the true curvature lies in that range: the same workload, c milder/stronger
+                 ("bucketed", 1.4e-8, "tokens"), ("bucketed", 4e-7, "tokens")]
 CARRIES = {"latency": {}, "sq": {"with_latency": False}, "tokens": {"with_latency": False, "with_sq": False}}
 
 
@@ -60,7 +64,11 @@ def _eta_section() -> list[str]:
              "at 10 % within 22 % or withheld. `carries`: what the observations hold — `latency` (counts, Σtokens² and "
              "each sample's request latency, as the extraction reports them), `sq` (counts and Σtokens²), `tokens` "
              "(done, total, tokens only: the span's Σtokens² is then taken as tokens²/samples and the work left's "
-             "estimated from its mean and the current length).", "",
+             "estimated from its mean and the current length on length-sorted data, or between all-alike and as "
+             "spread as the spans seen on unsorted data). Where the spans cannot tell the cost's curvature (two "
+             "or three length levels seen), the estimate is the geometric centre of the non-negative fits they "
+             "cannot tell from the best (issue 31), and the band spans them. `random-buckets`: 8 length buckets "
+             "in random order, shuffled inside (issue 31's case).", "",
              "| workload | c | carries | estimator | 10 % | 25 % | 50 % | 75 % |", "|---|---|---|---|---|---|---|---|"]
     for order, c, carries in ETA_WORKLOADS:
         per = {}
