@@ -70,14 +70,16 @@ class EtaEstimator:
     EARLY_BAND_RATIO = 3.0
     SPANS_PER_RUN = 60.0
     SPAN_MIN_S, SPAN_MAX_S = 20.0, 300.0
-    # A span with token counts holds at least this many samples (up to SPAN_LONGEST_S): a span of a few
-    # long samples has its time cut mid-sample at both ends, which blurs how much its prompts cost
-    # (regression dilution attenuates the quadratic term on long, varied prompts).
+    # With token counts alone, a span holds at least this many samples (up to SPAN_LONGEST_S): a span of
+    # a few long samples has its time cut mid-sample at both ends and its Σtokens² taken as if its
+    # prompts were alike, which blurs how much they cost (the quadratic term comes out attenuated on long,
+    # varied prompts). Where Σtokens² is reported, spans close on time alone, for an early first ETA.
     SPAN_MIN_SAMPLES, SPAN_LONGEST_S = 25, 900.0
     EXTRAPOLATION_LIMIT = 3.5  # the prompts left may be this much longer than the longest span's
     # From a quarter of the work on an estimate is always given: "4–7 h" is an answer, "unknown" is not
     # (the seed's operator asked at 49 %). Before it, a guess may still be withheld, with its reason.
     ANSWER_FROM_SHARE = 0.25
+    TREND_RANK = 0.6  # |rank correlation| of the spans' lengths with time from which data count as sorted
     SPREAD_BOUND = 2.0  # Σtokens² · n / (Σtokens)² of the prompts left at most: a coefficient of variation of 1
     MIN_LATENCY_SAMPLES = 50
     LATENCY_BAND_SD = 3.0  # the latency fit's band: three standard errors of its sum over the work left
@@ -104,6 +106,7 @@ class EtaEstimator:
         self.sq_proxy = False
         self.recent_length: float | None = None  # the last span's mean prompt length, tokens
         self.span_lengths: list[tuple[float, float]] = []  # each span's (samples, mean prompt length)
+        self._order: tuple[float | None, float] | None = None  # (_trend(), spans' CV²) until the next span
 
     def add(self, *, t: float, dt: float, samples: float, tokens: float | None, tokens_sq: float | None = None,
             latency: LatencyProfile | None = None) -> None:
@@ -125,7 +128,8 @@ class EtaEstimator:
         o[3] += tokens_sq or 0.0
         self._has = [self._has[0] and tokens is not None, self._has[1] and tokens_sq is not None]
         span = min(self.SPAN_MAX_S, max(self.SPAN_MIN_S, (t - self.first_t) / self.SPANS_PER_RUN))
-        whole = o[1] >= self.SPAN_MIN_SAMPLES or not self._has[0] or o[0] >= self.SPAN_LONGEST_S
+        proxied = self._has[0] and not self._has[1]  # token counts without Σtokens²
+        whole = not proxied or o[1] >= self.SPAN_MIN_SAMPLES or o[0] >= self.SPAN_LONGEST_S
         if o[0] >= span and whole:
             k = o[2] if self._has[0] else None
             q = o[3] if self._has[1] else None
@@ -135,6 +139,7 @@ class EtaEstimator:
             if k is not None:
                 self.recent_length = k / o[1]
                 self.span_lengths.append((o[1], k / o[1]))
+                self._order = None
             self.short.add(t=t, dt=o[0], samples=o[1], tokens=k, tokens_sq=q)
             self.long.add(t=t, dt=o[0], samples=o[1], tokens=k, tokens_sq=q)
             self.intervals += 1
@@ -226,7 +231,9 @@ class EtaEstimator:
         floor = k * k / n
         current = self.recent_length or mean
         spread = n * (mean - current) ** 2
-        trend = self._trend()
+        if self._order is None:
+            self._order = self._trend(), self._spread()
+        trend, cv2 = self._order
         # sorted ascending: the spans' lengths rise and the prompts left are longer still; descending:
         # the reverse. Anything else (buckets in random order, shuffled data) is unordered.
         ordered = trend is None or (trend >= self.TREND_RANK and mean >= current) or (
@@ -234,15 +241,19 @@ class EtaEstimator:
         if not ordered:
             # no order by length (buckets in random order, shuffled data): the prompts left spread about
             # their mean as much as the spans seen so far spread about theirs, at most
-            w = sum(c for c, _ in self.span_lengths)
-            mu = sum(c * m for c, m in self.span_lengths) / w
-            high = floor * (1.0 + sum(c * (m - mu) ** 2 for c, m in self.span_lengths) / w / (mu * mu))
+            high = floor * (1.0 + cv2)
             return floor, math.sqrt(floor * high), high
         if mean < current:  # shorter prompts to come (sorted descending): no tail beyond
             return floor, floor, floor + spread
         return floor, floor + spread, floor + 2 * spread
 
-    TREND_RANK = 0.6  # |rank correlation| of span lengths with time from which the data count as sorted
+    def _spread(self) -> float:
+        """The spans' mean lengths' squared coefficient of variation, weighted by their samples."""
+        w = sum(c for c, _ in self.span_lengths)
+        if w <= 0:
+            return 0.0
+        mu = sum(c * m for c, m in self.span_lengths) / w
+        return sum(c * (m - mu) ** 2 for c, m in self.span_lengths) / w / (mu * mu) if mu > 0 else 0.0
 
     def _trend(self) -> float | None:
         """Spearman's rank correlation of the spans' mean lengths with time (None before 3 spans)."""
