@@ -10,7 +10,8 @@ from pathlib import Path
 from bench.common import percentile, timed
 from pipeline.config import Workspace, parse_config
 from pipeline.controller import Controller
-from pipeline.store import Store
+from pipeline.observe.verdict import StoredVerdict, Verdict
+from pipeline.store import KV, Store
 from pipeline.toy.simtrace import Scenario, simulate
 
 
@@ -29,9 +30,9 @@ def _fill(store: Store, n: int) -> None:
         pid = store.insert_proc({"run_id": "r1", "stage": stage, "state": "exited", "pid": 1, "pgid": 1,
                                  "create_time": 1.0, "started_at": 1.0, "ended_at": 2.0, "exit_code": 0,
                                  "argv": "[]", "log": "x", "stop_requested": 0})
-        store.put_verdict(stage, {"verdict": "done", "proc_id": pid, "final": True, "progress_pct": 100.0,
-                                  "reasons": ["exited 0"], "t": 2.0})
-    store.put("monitor", {"t": 1e12})
+        store.put_verdict(stage, StoredVerdict(t=2.0, stage=stage, verdict=Verdict.DONE, reasons=("exited 0",),
+                                               progress_pct=100.0, proc_id=pid, final=True))
+    store.put(KV.MONITOR, {"t": 1e12})
 
 
 def _open(tmp: str, n: int) -> tuple[Controller, Store]:
