@@ -219,9 +219,9 @@ class EtaEstimator:
         return (math.sqrt(rng[0] * rng[1]), *rng)
 
     def _sq_left_range(self, n: float, k: float) -> tuple[float, float, float]:
-        """(low, estimate, high) of Σtokens² over the work left when the stage
-        does not report it. At least k² / n (all prompts alike). On length-sorted data (the spans' lengths
-        rank with time, and the prompts left are longer — or shorter — still) the prompts left spread from
+        """(low, estimate, high) of Σtokens² over the work left when the stage does not report it. At
+        least k² / n (all prompts alike). On length-sorted data (the spans' lengths rank with time, and
+        the prompts left are longer — or shorter — still) the prompts left spread from
         the current length to beyond their mean as an exponential tail would, which on lognormal lengths
         sorted ascending comes within 5 % of the truth from 10 % to 75 % progress; shorter prompts to come
         (sorted descending): alike at best, spread as far as the current length at worst. On unsorted data
