@@ -28,6 +28,7 @@ class Scenario:
     sort_by_length: bool = False  # the same as order = "ascending"
     order: str = "shuffled"  # or "ascending", "descending", "bucketed" (ascending buckets, shuffled inside)
     buckets: int = 8
+    lengths: str = "lognormal"  # prompt lengths: one lognormal mode, or "mixture" (short chats and long documents)
     with_sq: bool = True  # the observation carries tokens_sq_done / tokens_sq_total (extraction records them)
     # ... and latency_moments: each sample's request latency, which one request at a time (as simulated
     # here) is its duration
@@ -74,7 +75,11 @@ class Trace:
 
 
 def _lengths(sc: Scenario, rng: random.Random) -> list[int]:
-    lengths = [max(16, int(rng.lognormvariate(math.log(1800), 0.7))) for _ in range(sc.samples)]
+    if sc.lengths == "mixture":  # a data mix: 70 % short chats, 30 % long documents (two lognormal modes)
+        lengths = [max(16, int(rng.lognormvariate(math.log(700), 0.5) if rng.random() < 0.7
+                               else rng.lognormvariate(math.log(5000), 0.4))) for _ in range(sc.samples)]
+    else:
+        lengths = [max(16, int(rng.lognormvariate(math.log(1800), 0.7))) for _ in range(sc.samples)]
     order = "ascending" if sc.sort_by_length else sc.order
     if order in ("ascending", "descending"):
         return sorted(lengths, reverse=order == "descending")
