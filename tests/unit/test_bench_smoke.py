@@ -1,4 +1,4 @@
-"""`make bench` is not in the suite (it takes half an hour); these keep its modules in step with the product.
+"""`make bench` is not in the suite (it takes about 20 minutes); these keep its modules in step with the product.
 
 The status-path benchmark once kept the store's dict API after issue 36 typed it, and `make bench` stopped
 at its second section. Each module is imported here, and the status path's store is built and read at a

@@ -216,7 +216,7 @@ def test_eta_from_token_counts_alone_is_given_from_a_quarter_with_its_band(order
     (the seed's operator asked at 49 %). From a quarter of the work on there is an estimate on every
     seed, and its band holds the truth. On ascending buckets two length levels are seen at 25 %, which a
     line and a parabola fit alike: the estimate is the centre of the fits the spans cannot tell apart
-    (it was the noise's pick, 20–50 % off, before). On buckets in random order the Σtokens² of the work
+    (it was the noise's pick, 7–48 % off, before). On buckets in random order the Σtokens² of the work
     left is the larger unknown; its estimate is the centre between all-alike and as spread as the spans
     seen (issue 31 stays open for its accuracy: see bench/RESULTS.md)."""
     for seed in (0, 1):
