@@ -63,15 +63,12 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def fit_nonnegative(s: NormalSums, present: list[bool]) -> tuple[tuple[float, ...], tuple] | None:
-    """Non-negative least squares from the normal equations: the best fit over every subset of the
-    terms with all coefficients ≥ 0, and (terms, scale, scaled X'X, residual variance) of the
-    unconstrained fit for the standard errors; None before any data."""
-    if s.count <= 0 or s.xx[0][0] <= 0:
-        return None
-    usable = [i for i in range(TERMS) if present[i] and s.xx[i][i] > 0]
+def _best_subset(s: NormalSums, usable: list[int]) -> tuple[float, list[float], tuple[int, ...],
+                                                              dict[int, float]] | None:
+    """The non-negative least-squares fit over every subset of the `usable` terms: (residual sum of
+    squares, coefficients in scaled coordinates, the subset, the scales), or None if none is non-negative."""
     scale = {i: math.sqrt(s.xx[i][i]) for i in usable}
-    best: tuple[float, list[float], tuple[int, ...]] | None = None
+    best: tuple[float, list[float], tuple[int, ...], dict[int, float]] | None = None
     for r in range(1, len(usable) + 1):
         for sub in itertools.combinations(usable, r):
             a = [[s.xx[i][j] / (scale[i] * scale[j]) for j in sub] for i in sub]
@@ -82,9 +79,21 @@ def fit_nonnegative(s: NormalSums, present: list[bool]) -> tuple[tuple[float, ..
             rss = s.yy - 2 * sum(bi * s.xy[i] / scale[i] for bi, i in zip(beta, sub, strict=True)) + sum(
                 beta[p] * beta[q] * a[p][q] for p in range(r) for q in range(r))
             if best is None or rss < best[0] - 1e-12 * max(s.yy, 1.0):
-                best = (rss, beta, sub)
+                best = (rss, beta, sub, scale)
+    return best
+
+
+def fit_nonnegative(s: NormalSums, present: list[bool]) -> tuple[tuple[float, ...], tuple] | None:
+    """Non-negative least squares from the normal equations: the best fit over every subset of the
+    terms with all coefficients ≥ 0, and (terms, scale, scaled X'X, residual variance) of the
+    unconstrained fit for the standard errors; None before any data."""
+    if s.count <= 0 or s.xx[0][0] <= 0:
+        return None
+    usable = [i for i in range(TERMS) if present[i] and s.xx[i][i] > 0]
+    best = _best_subset(s, usable)
     if best is None:
         return None
+    scale = best[3]
     coef = [0.0] * TERMS
     for bi, i in zip(best[1], best[2], strict=True):
         coef[i] = bi / scale[i]
@@ -103,23 +112,17 @@ def fit_nonnegative(s: NormalSums, present: list[bool]) -> tuple[tuple[float, ..
 
 
 def _fit_given_c(s: NormalSums, c: float, usable: list[int]) -> tuple[float, list[float]]:
-    """(rss, coefficients) of the best non-negative (a, b) with the quadratic coefficient held at c."""
-    yy = s.yy - 2 * c * s.xy[2] + c * c * s.xx[2][2]
-    xy = [s.xy[i] - c * s.xx[i][2] for i in range(2)]
-    best: tuple[float, list[float]] = (yy, [0.0, 0.0, c])
-    for r in range(1, len(usable) + 1):
-        for sub in itertools.combinations(usable, r):
-            beta = _solve([[s.xx[i][j] for j in sub] for i in sub], [xy[i] for i in sub])
-            if beta is None or min(beta) < 0:
-                continue
-            rss = yy - 2 * sum(bi * xy[i] for bi, i in zip(beta, sub, strict=True)) + sum(
-                beta[p] * beta[q] * s.xx[i][j] for p, i in enumerate(sub) for q, j in enumerate(sub))
-            if rss < best[0]:
-                coef = [0.0, 0.0, c]
-                for bi, i in zip(beta, sub, strict=True):
-                    coef[i] = bi
-                best = (rss, coef)
-    return best
+    """(rss, coefficients) of the best non-negative (a, b) with the quadratic coefficient held at c: the
+    same fit as `fit_nonnegative`'s on the time the quadratic term leaves (y − c·Σtokens²)."""
+    left = NormalSums(xx=s.xx, xy=[s.xy[i] - c * s.xx[i][2] for i in range(TERMS)],
+                      yy=s.yy - 2 * c * s.xy[2] + c * c * s.xx[2][2], count=s.count)
+    coef = [0.0, 0.0, c]
+    best = _best_subset(left, usable)
+    if best is None or best[0] >= left.yy:  # no non-negative (a, b) does better than none
+        return left.yy, coef
+    for bi, i in zip(best[1], best[2], strict=True):
+        coef[i] = bi / best[3][i]
+    return best[0], coef
 
 
 def profile_c(s: NormalSums, present: list[bool]) -> list[list[float]] | None:
