@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import re
+import threading
 
-from pipeline.config import SECRET_ENV
-
-MUTATING = frozenset({"autostart on", "autostart off", "train", "stop", "restart"})  # `later` only reminds
-_SECRETS = [re.compile(r"xox[abposr]-[0-9A-Za-z-]+"), re.compile(r"xapp-[0-9A-Za-z-]+"),
-            re.compile(r"(?i)(authorization:\s*)(bearer\s+)?\S+"), re.compile(r"(?i)(signing[_-]?secret\S*\s*[=:]\s*)\S+")]
+from handlers.render.blocks import text_blocks
+from handlers.verbs import LABELS, MUTATING, READ_ONLY_ACTIONS, parse
 
 
 def refusal(slack_cfg, *, user: str, channel: str | None, mutating: bool) -> str | None:
@@ -26,37 +22,13 @@ def refusal(slack_cfg, *, user: str, channel: str | None, mutating: bool) -> str
     return None
 
 
-def redact(text: str, extra: list[str] = (), patterns: list[str] = ()) -> str:
-    """Mask tokens, Authorization headers, signing secrets, this service's own Slack secrets,
-    the given secret values and `patterns`."""
-    extra = [*extra, *(os.environ.get(k, "") for k in SECRET_ENV)]
-    for pattern in _SECRETS:
-        text = pattern.sub(lambda m: (m.group(1) if m.lastindex else "") + "[redacted]", text)
-    for secret in extra:
-        if secret:
-            text = text.replace(secret, "[redacted]")
-    for pattern in patterns:
-        text = re.sub(pattern, "[redacted]", text)
-    return text
-
-
-# Buttons anyone in an allowed channel may press: reading, a reminder, "keep it running". Every other action,
-# a listener added later included, is mutating until said otherwise: a new button is refused for a stranger.
-READ_ONLY_ACTIONS = frozenset({"eagle3_later", "eagle3_show_logs", "eagle3_keep"})
-
 
 def request_facts(body: dict) -> tuple[str, str, str | None, str, bool]:
     """(kind, user, channel, what, mutating) of a Slack request: a slash command, a button, or an event."""
-    from handlers.slash import parse  # the verbs' grammar is the slash listener's
-
     if "command" in body:
         verb, _ = parse(body.get("text", ""))
         return "command", body.get("user_id", "?"), body.get("channel_id"), verb, verb in MUTATING
     if body.get("type") == "block_actions":
-        from handlers.buttons import (
-            LABELS,  # audited by the button's label, as its listener audits it
-        )
-
         action = (body.get("actions") or [{}])[0].get("action_id", "?")
         return ("action", (body.get("user") or {}).get("id", "?"), (body.get("channel") or {}).get("id"),
                 LABELS.get(action, action), action not in READ_ONLY_ACTIONS)
@@ -67,11 +39,7 @@ def request_facts(body: dict) -> tuple[str, str, str | None, str, bool]:
 def guard(ws, controller_factory):
     """Bolt global middleware: one authorization-and-audit step in front of every listener (commands, buttons,
     App Home, and any registered later). A refusal is answered and audited here; the listener never runs."""
-    import threading
-
     from slack_bolt import BoltResponse
-
-    from handlers.render.blocks import text_blocks
 
     def middleware(body, ack, respond, next):  # noqa: A002 - Bolt injects `next` by name
         kind, user, channel, what, mutating = request_facts(body)

@@ -19,13 +19,12 @@ from handlers.render.blocks import (
     text_blocks,
 )
 from handlers.render.views import SLASH, autostart_text, slack_time
+from handlers.slash import answer
+from handlers.verbs import LABELS
 from pipeline.errors import UserError
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE
 
 STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # the status post's buttons
-LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later",
-          ACTION_CONFIRM: "Confirm", ACTION_KEEP: "Keep it running", ACTION_SNOOZE: "Snooze 1 h",
-          ACTION_TRAIN: "Start training"}
 
 
 def register(app, *, controller_factory, ws) -> None:
@@ -87,8 +86,6 @@ def register(app, *, controller_factory, ws) -> None:
     @app.action(ACTION_LOGS)
     def show_logs(ack, body, respond):  # read-only: anyone in an allowed channel
         ack()
-        from handlers.slash import answer
-
         stage = ((body.get("actions") or [{}])[0].get("value")) or "extract"
         ctl = controller_factory()
         try:

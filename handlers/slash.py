@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import difflib
 
-from handlers.auth import MUTATING, redact
 from handlers.render.blocks import confirm_blocks, status_blocks, text_blocks, train_blocks
+from handlers.render.redact import redact
 from handlers.render.views import (
     SLASH,
     ago,
@@ -16,37 +16,9 @@ from handlers.render.views import (
     train_guard_text,
     verdict_line,
 )
+from handlers.verbs import HELP, MUTATING, SUBCOMMANDS, parse
 from pipeline.config import STAGE_NAMES
 from pipeline.errors import UserError
-
-SUBCOMMANDS = {  # usage -> what it answers; the help text, the docs test and the app manifest use this
-    "status": "the run at a glance: stage, verdict, progress, rate, ETA, GPUs, disk (also `/eagle3` alone)",
-    "stuck": "each stage's verdict with its evidence",
-    "eta": "each stage's progress and ETA with its band",
-    "gpus": "GPU utilization and memory, and which stage holds them",
-    "chart [STAGE]": "a chart of the stage (default: the one running) posted in the run's thread",
-    "logs STAGE": "the last lines of a stage's log, secrets redacted",
-    "train": "start training now (asks to confirm) — refused with the numbers until extraction is verified complete",
-    "autostart on|off": "arm or cancel training's automatic start when extraction is verified complete",
-    "later 30m|1h|eta": "post the status again after a while, or when the ETA is due",
-    "stop STAGE": "stop server, extract or train (asks to confirm)",
-    "restart STAGE": "stop and start a stage again (asks to confirm)",
-    "help": "this list",
-}
-HELP = "*/eagle3* commands:\n" + "\n".join(f"• `{usage}` — {what}" for usage, what in SUBCOMMANDS.items())
-MAX_TEXT = 200
-
-
-def parse(text: str) -> tuple[str, list[str]]:
-    """(verb, args) of the command text; unknown or over-long text is `help`."""
-    words = (text or "").strip().lower().split()
-    if len(text or "") > MAX_TEXT or not words:
-        return ("status", []) if not words else ("help", [])
-    verb, args = words[0], words[1:]
-    if verb == "autostart" and args[:1] in (["on"], ["off"]):
-        return f"autostart {args[0]}", []
-    known = {usage.split()[0] for usage in SUBCOMMANDS} - {"autostart"}
-    return (verb, args) if verb in known else ("help", [verb[:40]])
 
 
 def register(app, *, controller_factory, ws) -> None:

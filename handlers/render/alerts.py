@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handlers.auth import redact
+from handlers.render.redact import redact
 from handlers.render.views import ago
 from pipeline.observe.verdict import StoredVerdict, Verdict
 

@@ -20,7 +20,7 @@ from handlers.render.blocks import (
     ACTION_KEEP,
     ACTION_LATER,
 )
-from handlers.slash import SUBCOMMANDS
+from handlers.verbs import SUBCOMMANDS
 from pipeline.config import parse_config
 from pipeline.errors import ConfigError
 from tests.scenario.slack_kit import signature_headers, slack_env, wsgi_post

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from handlers.slash import SUBCOMMANDS
+from handlers.verbs import SUBCOMMANDS
 from pipeline.config import PLACEHOLDER, load_workspace
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from bot.cli import COMMANDS, PASSTHROUGH, build_parser, main
-from handlers.slash import HELP, SUBCOMMANDS, parse
+from handlers.verbs import HELP, SUBCOMMANDS, parse
 from pipeline.observe.verdict import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[2]
