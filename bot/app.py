@@ -21,6 +21,7 @@ from handlers import buttons, home, slash
 from handlers.auth import guard
 from pipeline.config import Workspace
 from pipeline.controller import Controller
+from pipeline.store import Store
 
 log = logging.getLogger("eagle3.bot")
 DEFAULT_API_URL = "https://slack.com/api/"
@@ -63,8 +64,6 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
         # without the integrity check (serve ran it once at start), so a request opens nothing.
         store = getattr(local, "store", None)
         if store is None:
-            from pipeline.store import Store
-
             store = local.store = Store(ws.store_path, check_integrity=False)
         return Controller(workspace=ws, store=store)
 

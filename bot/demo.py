@@ -18,12 +18,15 @@ import time
 from pathlib import Path
 
 from bot.service import console_notifier
+from handlers.render.views import train_guard_text
 from pipeline.config import STAGE_NAMES, load_workspace
-from pipeline.controller import Controller
+from pipeline.controller import Controller, TrainGuardError
 from pipeline.errors import UserError
 from pipeline.manifest import summarize
 from pipeline.monitor import Monitor
+from pipeline.observe.charts import render_run
 from pipeline.toy.demo_workspace import write_demo_workspace
+from pipeline.train.export import launch_line
 
 TIMEOUT_S = 330.0
 POST_EVERY_S = 8.0
@@ -86,8 +89,6 @@ def run_demo(slack_channel: str | None = None, *, regenerate: bool = False) -> i
         # the run's status message first: milestones and handoff steps are replies in its thread
         notifier.post_status(ctl.store, ctl.status(sample_if_unmonitored=False), ctl.state_version())
         _say("2. an operator asks: train now? — the train-now guard answers:")
-        from handlers.render.views import train_guard_text
-        from pipeline.controller import TrainGuardError
         try:
             ctl.start("train")
         except TrainGuardError as exc:
@@ -176,8 +177,6 @@ def _summary(root: Path, ws, started: float) -> None:
 
 def _charts(root: Path, ws) -> list[Path]:
     """The run drawn from the store, as `eagle3 chart` draws it."""
-    from pipeline.observe.charts import render_run
-
     ctl = Controller(workspace=ws)
     try:
         run = ctl.store.latest_run()
@@ -193,7 +192,6 @@ def _evaluate(root: Path) -> bool:
     import subprocess
 
     from pipeline.draft.evaluate import evaluate, format_result
-    from pipeline.train.export import launch_line
 
     draft = root / "ckpt" / "draft"
     _say(f"  draft for SGLang: {draft}")

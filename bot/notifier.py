@@ -28,6 +28,7 @@ from handlers.render.alerts import (
 from handlers.render.blocks import status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.handoff.machine import handoff_state
+from pipeline.observe.charts import alt_text, render_run
 from pipeline.status import RunStatus
 from pipeline.store import KV, Store
 
@@ -263,8 +264,6 @@ class Notifier:
         files_upload_v2 (files.getUploadURLExternal, the upload, files.completeUploadExternal), the
         message's text as its comment. Nothing to draw: the text alone, or nothing for a chart-only
         message. No `files:write` scope: the text, with what to fix said once."""
-        from pipeline.observe.charts import alt_text, render_run
-
         stage, thread = spec["chart"], self._thread_ts(store, m["thread_key"])
         out = self.ws.state_dir / "charts" / f"{stage}-{m['id']}.png"
         try:

@@ -15,10 +15,14 @@ import socket
 import threading
 import time
 
+from bot.metrics import serve_metrics
 from pipeline.config import Workspace
+from pipeline.configcheck import placeholders, problems
+from pipeline.controller import Controller
+from pipeline.errors import ConfigError, UserError
 from pipeline.monitor import Monitor
 from pipeline.servelock import ServeLock
-from pipeline.store import KV
+from pipeline.store import CONSOLE_CHANNEL, KV, Store
 
 log = logging.getLogger("eagle3.service")
 DELIVERY_INTERVAL_S = 1.0
@@ -37,8 +41,6 @@ def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None 
           host: str = "127.0.0.1", metrics_port: int | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `max_ticks`); with `http_port`, also Slack's HTTP events; with a
     metrics port (the flag, or `[metrics] port`), Prometheus' /metrics."""
-    from pipeline.store import Store
-
     Store(ws.store_path).close()  # an unusable store stops us here, with its one line, before any thread starts
     _refuse_placeholders(ws)
     with ServeLock(ws.state_dir / "serve.lock"):
@@ -49,9 +51,6 @@ def serve(ws: Workspace, *, max_ticks: int | None = None, http_port: int | None 
 def _refuse_placeholders(ws: Workspace) -> None:
     """A template with <PLACEHOLDERS> left would fail hours later, at the first start: refuse now.
     The other problems `check-config` finds are printed as warnings."""
-    from pipeline.configcheck import placeholders, problems
-    from pipeline.errors import ConfigError
-
     left = placeholders(ws)
     if left:
         raise ConfigError(f"{left[0]} ({len(left)} placeholder(s) left; `eagle3 check-config` lists them); "
@@ -72,13 +71,10 @@ def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host:
         inputs.start_socket_mode()
     metrics = None
     if metrics_port is not None:
-        from bot.metrics import serve_metrics
-
         try:
             metrics = serve_metrics(ws, host=ws.config.metrics.host, port=metrics_port)
         except OSError as exc:
             inputs.close()
-            from pipeline.errors import UserError
             raise UserError(f"metrics: cannot listen on {ws.config.metrics.host}:{metrics_port} ({exc.strerror}); "
                             "choose another --metrics-port") from None
     scheduler = _schedule_status_posts(ws, delivery)
@@ -115,8 +111,6 @@ def thread_store(ws: Workspace):
     """This thread's connection to the workspace's store, opened once and kept (issue 36): each delivery pass,
     transport record or warning reuses it instead of opening the store (and running its integrity check, a pass
     over the whole file) again. serve checks the store once at start."""
-    from pipeline.store import Store
-
     stores = getattr(_threads, "stores", None)
     if stores is None:
         stores = _threads.stores = {}
@@ -145,8 +139,6 @@ class Delivery:
 
     def post_status(self) -> None:
         """Enqueue (or refresh) the open run's status message."""
-        from pipeline.controller import Controller
-
         with self.lock:
             ctl = Controller(workspace=self.ws, store=thread_store(self.ws))
             try:
@@ -243,7 +235,6 @@ class Inputs:
     def start_http(self, host: str, port: int) -> None:
         """Serve Slack's HTTP events (a listening socket: no connection to Slack needed to start)."""
         from bot.app import build_app, serve_http
-        from pipeline.errors import UserError
 
         secret = os.environ.get("SLACK_SIGNING_SECRET")
         if not secret:
@@ -260,7 +251,6 @@ class Inputs:
         from slack_bolt.adapter.socket_mode import SocketModeHandler
 
         from bot.app import build_app
-        from pipeline.errors import UserError
 
         token = os.environ.get("SLACK_BOT_TOKEN")
         if not token:
@@ -390,7 +380,6 @@ def console_notifier(ws: Workspace, out=None):
     """Messages printed as they would appear in Slack (the embedded default, and the demo)."""
     from bot.console import ConsoleClient
     from bot.notifier import Notifier
-    from pipeline.store import CONSOLE_CHANNEL
 
     return Notifier(ws=ws, client=ConsoleClient(out), channel=CONSOLE_CHANNEL, key_prefix="console:", pace_s=0.0)
 

@@ -18,8 +18,8 @@ from handlers.render.blocks import (
     status_blocks,
     text_blocks,
 )
-from handlers.render.views import SLASH, autostart_text, slack_time
-from handlers.slash import answer
+from handlers.render.views import SLASH, autostart_text, slack_time, stop_text
+from handlers.slash import answer, train_later
 from handlers.verbs import LABELS
 from pipeline.errors import UserError
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE
@@ -48,8 +48,6 @@ def register(app, *, controller_factory, ws) -> None:
                 return respond(text=f"{moot}. {text}", blocks=blocks, response_type="ephemeral",
                                replace_original=False)
             if action_id == ACTION_TRAIN:
-                from handlers.slash import train_later
-
                 ctl.audit(user=f"slack:{user}", channel=channel, action="train", outcome="accepted")
                 later = lambda: train_later(controller_factory, user, respond)  # noqa: E731
                 result = "verifying sample files, then starting training…"
@@ -143,8 +141,6 @@ def _describe(action: dict) -> str:
 
 
 def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
-    from handlers.render.views import stop_text
-
     v = _value(action)
     ctl = controller_factory()
     try:

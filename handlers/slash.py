@@ -18,6 +18,7 @@ from handlers.render.views import (
 )
 from handlers.verbs import HELP, MUTATING, SUBCOMMANDS, parse
 from pipeline.config import STAGE_NAMES
+from pipeline.controller import ServerHoldsGpusError, TrainGuardError
 from pipeline.errors import UserError
 
 
@@ -98,8 +99,6 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         body = redact("\n".join(lines), patterns=ctl.ws.config.slack.redact_patterns)[-2800:] or "(no output yet)"
         return f"last lines of {stage}", text_blocks(f"*{stage}* log:\n```{body}```")
     if verb == "train":
-        from pipeline.controller import ServerHoldsGpusError, TrainGuardError
-
         try:
             proc = ctl.start("train", by=f"slack:{user}")
         except (TrainGuardError, ServerHoldsGpusError) as exc:

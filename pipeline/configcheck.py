@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from pipeline import manifest
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
+from pipeline.stages import slurm
 
 # systemd's PATH for system services: what a stage started by `eagle3 serve` under the unit sees.
 SERVICE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -49,22 +51,18 @@ def problems(ws: Workspace, *, path_env: str | None = None) -> list[str]:
 
 def _state_on_local_disk(ws: Workspace) -> list[str]:
     """The store uses SQLite's WAL mode, which needs every process using it on one host: not on NFS."""
-    from pipeline.manifest import filesystem_type, shared_across_hosts
-
     where = ws.state_dir
     while not where.exists() and where != where.parent:
         where = where.parent
-    if not shared_across_hosts(where):
+    if not manifest.shared_across_hosts(where):
         return []
-    kind = filesystem_type(where) or "a filesystem"
+    kind = manifest.filesystem_type(where) or "a filesystem"
     return [f"{ws.path.name}: state.dir: {ws.state_dir} is on {kind}, shared across hosts; the store needs a local "
             'disk (SQLite WAL): set [state] dir = "/var/lib/eagle3/<run>" or another local path']
 
 
 def slurm_problems(ws: Workspace) -> list[str]:
     """For stages with executor = "slurm": Slurm's client commands here and a controller that answers."""
-    from pipeline.stages import slurm
-
     stages = [s for s in STAGE_NAMES if ws.stage(s).executor == "slurm"]
     if not stages:
         return []

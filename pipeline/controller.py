@@ -17,6 +17,7 @@ from pipeline.stages.states import MAYBE_ALIVE_STATES, StageProc, StageState
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
 from pipeline.status import READING_KEYS, RunStatus, StageStatus
 from pipeline.store import KV, Store
+from pipeline.train.outdir import set_aside
 
 
 class TrainGuardError(UserError):
@@ -114,8 +115,6 @@ class Controller:
     def _set_training_aside(self, *, by: str) -> Path | None:
         """`start train --fresh`: the earlier training's checkpoints, progress and draft go to
         OUT/previous/<time>/ (never deleted), unless training is running."""
-        from pipeline.train.outdir import set_aside
-
         self.supervisor.refresh()
         proc = self.store.latest_proc("train")
         if proc and proc.state in MAYBE_ALIVE_STATES:

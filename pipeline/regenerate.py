@@ -34,8 +34,9 @@ import httpx
 from pipeline.errors import UserError
 from pipeline.extract.dataset import scan
 from pipeline.extract.options import ClientOptions
+from pipeline.extract.preflight import fetch_info
 from pipeline.layout import lines_dir, parts_dir
-from pipeline.manifest import Manifest
+from pipeline.manifest import Manifest, read_done, summarize
 
 PROGRESS_EVERY_S = 5.0
 
@@ -133,7 +134,6 @@ class Regenerator:
         o = self.o
         if not o.data.is_file():
             raise UserError(f"--data {o.data}: no such file")
-        from pipeline.extract.preflight import fetch_info
 
         fetch_info(o.server, wait_s=o.server_wait_s, say=self.say)
         data = scan(o.data)
@@ -228,8 +228,6 @@ class Regenerator:
     def _finish(self, data) -> int:
         """Write OUT in input order once every sample has a row (exit 0; the failed ones are named in the manifest
     and counted, and the completion check weighs them); exit 1 when some have no row yet."""
-        from pipeline.manifest import read_done, summarize
-
         s = summarize(parts_dir(self.o.out))
         if s["done"] + s["failed"] < len(data):
             self.say(f"stopped with {s['done'] + s['failed']:,} of {len(data):,} done; run it again to go on")
@@ -261,8 +259,6 @@ def regenerate(o: Options, *, say=None) -> int:
 def complete(out: Path, *, max_failed_share: float = 0.0) -> tuple[bool, str]:
     """Whether a regeneration into `out` is verified complete: every sample has a row, at most `max_failed_share`
     of them failed (the handoff's own threshold), and OUT holds one line per done sample; and why not."""
-    from pipeline.manifest import summarize
-
     try:
         s = summarize(parts_dir(out))
     except (OSError, sqlite3.Error) as exc:

@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.draft.sglang import SglangDraft, load_rules, read_export
 from pipeline.errors import UserError
+from pipeline.extract.dataset import parse_line
+from pipeline.train.target import load_target
 
 
 @dataclass
@@ -150,8 +153,6 @@ def fetch(url: str, prompt: list[int], new_tokens: int, target_hidden: int, clie
 
 
 def read_prompts(path: Path, n: int, length: int) -> list[list[int]]:
-    from pipeline.extract.dataset import parse_line
-
     prompts = []
     try:
         with open(path, "rb") as fh:
@@ -175,7 +176,6 @@ def evaluate(*, draft_dir: Path, server: str, data: Path, target_model: str | No
     """τ of the draft, of the bigram table and of the draft without aux features; accuracy by depth."""
     import httpx
 
-    from pipeline.draft.sglang import SglangDraft, load_rules, read_export
 
     try:
         cfg, tensors = read_export(draft_dir)
@@ -188,7 +188,6 @@ def evaluate(*, draft_dir: Path, server: str, data: Path, target_model: str | No
     if embed is None:
         if not target_model:
             raise UserError("--target-model DIR is needed: the draft has no embedding (SGLang takes the target's)")
-        from pipeline.train.target import load_target
 
         embed = load_target(target_model, need_norm=False).embed
     draft = SglangDraft(loaded, embed)

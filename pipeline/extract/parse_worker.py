@@ -32,6 +32,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from pipeline.extract.response import BadResponse
+
 _LEN = struct.Struct(">I")
 
 
@@ -97,7 +99,6 @@ def _request(body: dict, client) -> bytearray | dict:
 
 
 def _one(spec, req: dict, local, setup: dict, send) -> None:
-    from pipeline.extract.response import BadResponse
     from pipeline.extract.storing import DiskError, store_answer
 
     if not hasattr(local, "client"):

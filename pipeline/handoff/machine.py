@@ -22,6 +22,7 @@ from pipeline.stages.host import port_free
 from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor
 from pipeline.store import KV, Store
+from pipeline.train.export import draft_note
 
 
 class HandoffStep(StrEnum):
@@ -298,8 +299,6 @@ class Handoff:
 
     def _draft_note(self) -> str:
         """Where the trainer exported the draft, and SGLang's launch line for it ('' when there is none)."""
-        from pipeline.train.export import draft_note
-
         train = self.ws.config.stages.train
         return draft_note(self.ws.resolve(train.out), train.argv, cwd=self.ws.resolve(train.cwd) or self.ws.root)
 

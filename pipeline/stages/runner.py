@@ -16,7 +16,7 @@ import signal
 import subprocess
 import threading
 
-from pipeline.config import Workspace
+from pipeline.config import STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.stages.host import RealHost, stage_env
 from pipeline.stages.logfile import RotatingLog
 from pipeline.stages.states import StageState, transition
@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m pipeline.stages.runner --config FILE --stage STAGE --proc-id N`."""
     import argparse
 
-    from pipeline.config import STAGE_NAMES, find_config, load_workspace
 
     p = argparse.ArgumentParser(prog="python -m pipeline.stages.runner", description="the detached runner of one stage")
     p.add_argument("--config", required=True)

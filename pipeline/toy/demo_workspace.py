@@ -12,6 +12,8 @@ import socket
 import sys
 from pathlib import Path
 
+from pipeline.prepare import prepare
+
 SAMPLES = 300
 TRAIN_STEPS = 200  # about 40 s of 2-process CPU training at 1,024 tokens a batch: τ ≈ 4.0 at depth 5 on the toy target
 
@@ -127,8 +129,6 @@ def write_demo_workspace(directory: Path, *, steps: int = TRAIN_STEPS, regenerat
     directory.mkdir(parents=True, exist_ok=True)
     export_target(directory / "target")
     if regenerate:
-        from pipeline.prepare import prepare
-
         write_chat(directory / "chat.jsonl", samples)
         prepare(target_model=str(directory / "target"), data=directory / "chat.jsonl",
                 out=directory / "data.jsonl", say=say or (lambda _m: None))

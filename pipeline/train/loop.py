@@ -33,6 +33,7 @@ from pipeline.train.data import (
     to_device,
     token_counts,
 )
+from pipeline.train.export import export_checkpoint, launch_line
 from pipeline.train.model import (
     DraftConfig,
     Eagle3Draft,
@@ -498,8 +499,6 @@ def _validation(out: Path, step: int, model, corpus, ctx: Ctx, args, d: Dist) ->
 
 
 def _export(out: Path, step: int, ctx: Ctx) -> None:
-    from pipeline.train.export import export_checkpoint, launch_line
-
     dest = export_checkpoint(checkpoint.step_dir(out, step), (out / "draft").resolve())
     print(f"train: draft for SGLang written to {dest} (LlamaForCausalLMEagle3)", flush=True)
     print(f"train: serve it with: {launch_line(dest, str(Path(ctx.target.source).resolve()))}", flush=True)

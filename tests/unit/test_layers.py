@@ -2,6 +2,7 @@
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,35 +128,53 @@ NO_CYCLES = {
 }
 
 
-def import_graph(packages=("bot", "handlers", "pipeline")) -> dict[str, set[str]]:
-    """The project's modules and what each imports of the others: every import, those inside a function too
-    (they run as soon as the function does), relative ones resolved, `from a import b` to the module a.b
-    where there is one."""
+PRODUCT = ("bot", "handlers", "pipeline")
+
+
+def product_modules() -> dict[str, Path]:
+    """Every module of the product by its dotted name (a package by its own)."""
     modules = {}
-    for package in packages:
+    for package in PRODUCT:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
 
-    def resolve(name: str) -> str | None:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name or None
 
-    graph = {}
-    for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-                    base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
-                targets.update([base, *(f"{base}.{alias.name}" for alias in node.names)])
-        graph[name] = {t for t in map(resolve, targets) if t and t != name}
-    return graph
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_sites(name: str, path: Path) -> list[tuple[ast.stmt, set[str], bool]]:
+    """Each import statement of a module: (the statement, the dotted names it imports, whether it runs inside a
+    function). Relative imports are resolved; `from a import b` names both a and a.b."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if n is not f}
+    sites = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+            targets = {base, *(f"{base}.{alias.name}" for alias in node.names)}
+        else:
+            continue
+        sites.append((node, targets, id(node) in inside))
+    return sites
+
+
+def import_graph() -> dict[str, set[str]]:
+    """The product's modules and what each imports of the others: every import, those inside a function too
+    (they run as soon as the function does)."""
+    modules = product_modules()
+    return {name: {t for _, targets, _ in import_sites(name, path) for t in map(lambda x: _resolve(x, modules), targets)
+                   if t and t != name} for name, path in modules.items()}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -196,6 +215,49 @@ def test_no_module_imports_itself_round_a_circle():
 def test_the_circle_finder_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+# The CLI dispatches many commands: each imports what it runs inside its own function (bot/cli.py says why).
+LAZY_BY_DESIGN = {"bot/cli.py"}
+
+
+def test_an_import_inside_a_function_defers_a_dependency():
+    """An import of the product's own module inside a function is kept only where it spares the importer a
+    third-party dependency it would otherwise load at start (torch, slack_bolt, httpx, matplotlib, …): issue 36
+    counted 87 such imports, most for nothing. Judged statically, over the imports each module runs at import."""
+    modules = product_modules()
+    third_party: dict[str, set[str]] = {}
+
+    def loads(name: str, seen: frozenset = frozenset()) -> set[str]:
+        """The third-party packages importing this module loads (its parent packages' too)."""
+        if name in third_party or name in seen:
+            return third_party.get(name, set())
+        found = set()
+        parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        for _, targets, in_function in import_sites(name, modules[name]):
+            if in_function:
+                continue
+            for target in targets:
+                module = _resolve(target, modules)
+                root = target.split(".")[0]
+                if module and module != name:
+                    found |= loads(module, seen | {name})
+                elif not module and root not in sys.stdlib_module_names and root != "__future__":
+                    found.add(root)
+        for parent in parents & modules.keys():
+            found |= loads(parent, seen | {name})
+        third_party[name] = found
+        return found
+
+    needless = []
+    for name, path in modules.items():
+        if str(path.relative_to(ROOT)) in LAZY_BY_DESIGN:
+            continue
+        for node, targets, in_function in import_sites(name, path):
+            own = {m for m in (_resolve(t, modules) for t in targets) if m}
+            if in_function and own and not set().union(*map(loads, own)) - loads(name):
+                needless.append(f"{path.relative_to(ROOT)}:{node.lineno} {sorted(own)}")
+    assert needless == []
 
 
 @pytest.mark.parametrize("path", sorted(NO_CYCLES))

@@ -10,6 +10,7 @@ import psutil
 
 from pipeline.observe.probes import Reading, known, unknown
 from pipeline.stages.host import started
+from pipeline.stages.logfile import tail_lines
 from pipeline.stages.states import StageState
 
 
@@ -31,8 +32,6 @@ def group_processes(pgid: int, since: float) -> list[psutil.Process]:
 
 def last_log_line(path: str | None) -> str | None:
     """The last non-empty line of a stage's log (its error, usually), at most 300 characters; None if unreadable."""
-    from pipeline.stages.logfile import tail_lines
-
     try:
         lines = [line.strip() for line in tail_lines(Path(path), 5)] if path else []
     except OSError:
