@@ -20,7 +20,7 @@ from pipeline.toy.demo_workspace import TRAIN_STEPS
 
 
 def run(*, full: bool = True) -> list[str]:
-    from pipeline.draft.evaluate import evaluate
+    from pipeline.evaluate import evaluate
     from pipeline.toy.launch import ToyServer
 
     steps = TRAIN_STEPS if full else 120

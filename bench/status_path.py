@@ -10,9 +10,9 @@ from pathlib import Path
 from bench.common import percentile, timed
 from pipeline.config import Workspace, parse_config
 from pipeline.controller import Controller
-from pipeline.observe.verdict import StoredVerdict, Verdict
 from pipeline.store import KV, Store
 from pipeline.toy.simtrace import Scenario, simulate
+from pipeline.verdict import StoredVerdict, Verdict
 
 
 def _fill(store: Store, n: int) -> None:

@@ -128,7 +128,7 @@ def cmd_start(args) -> int:
             raise UserError(train_guard_text(exc.completion)) from None
         except ServerHoldsGpusError as exc:
             raise UserError(server_holds_gpus_text(exc)) from None
-    from pipeline.stages.states import StageState
+    from pipeline.states import StageState
     if not proc.launched:
         raise UserError(f"{args.stage} did not start: {proc.reason}; see `eagle3 logs {args.stage}`")
     if proc.set_aside:
@@ -487,7 +487,7 @@ def cmd_export(args) -> int:
                arg("--new-tokens", type=int, default=96, help="greedy continuation length (default 96)"),
                arg("--json", action="store_true", help="one JSON object")))
 def cmd_eval_draft(args) -> int:
-    from pipeline.draft.evaluate import main as eval_main
+    from pipeline.evaluate import main as eval_main
     return eval_main(args)
 
 

@@ -191,7 +191,7 @@ def _evaluate(root: Path) -> bool:
     """Measure the exported draft the way SGLang serves it, against a fresh toy server."""
     import subprocess
 
-    from pipeline.draft.evaluate import evaluate, format_result
+    from pipeline.evaluate import evaluate, format_result
 
     draft = root / "ckpt" / "draft"
     _say(f"  draft for SGLang: {draft}")

@@ -13,7 +13,7 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from pipeline.config import Workspace
-from pipeline.observe.verdict import VERDICTS
+from pipeline.verdict import VERDICTS
 
 log = logging.getLogger("eagle3.metrics")
 HANDOFF_STEPS = ("off", "armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-release",

@@ -8,8 +8,8 @@ from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import UserError
 from pipeline.handoff.machine import ARMED, WAITING, Handoff, handoff_state
 from pipeline.regenerate import complete as regenerate_complete
-from pipeline.stages.states import StageState
 from pipeline.stages.supervisor import Supervisor
+from pipeline.states import StageState
 from pipeline.store import KV, Store
 
 

@@ -11,13 +11,13 @@ from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
-from pipeline.observe.verdict import StoredVerdict, Verdict
 from pipeline.stages.logfile import tail_lines
-from pipeline.stages.states import MAYBE_ALIVE_STATES, StageProc, StageState
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
+from pipeline.states import MAYBE_ALIVE_STATES, StageProc, StageState
 from pipeline.status import READING_KEYS, RunStatus, StageStatus
 from pipeline.store import KV, Store
 from pipeline.train.outdir import set_aside
+from pipeline.verdict import StoredVerdict, Verdict
 
 
 class TrainGuardError(UserError):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pipeline.observe.verdict import StoredVerdict, Verdict
-from pipeline.stages.states import StageState
+from pipeline.states import StageState
+from pipeline.verdict import StoredVerdict, Verdict
 
 PROCESS_KEYS = ("state", "pid", "exit_code", "signal", "started_at", "ended_at", "uptime_s", "log", "reason", "run")
 UNOBSERVED_KEYS = ("verdict", "progress_pct", "eta_s", "reasons")

@@ -20,8 +20,8 @@ from typing import Any
 from sqlite_utils import Database, Migrations
 
 from pipeline.errors import StoreError
-from pipeline.observe.verdict import StoredVerdict
-from pipeline.stages.states import StageProc
+from pipeline.states import StageProc
+from pipeline.verdict import StoredVerdict
 
 BUSY_TIMEOUT_S = 10.0
 migrations = Migrations("eagle3")
@@ -230,7 +230,7 @@ class Store:
 
     # --- verdicts -----------------------------------------------------------
     def verdict(self, stage: str) -> StoredVerdict | None:
-        """The stage's latest stored verdict (pipeline/observe/verdict.StoredVerdict), or None."""
+        """The stage's latest stored verdict (pipeline/verdict.StoredVerdict), or None."""
         return StoredVerdict.from_json(self.get(KV.verdict(stage)))
 
     def put_verdict(self, stage: str, record: StoredVerdict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from handlers.render.redact import redact
 from handlers.render.views import ago
-from pipeline.observe.verdict import StoredVerdict, Verdict
+from pipeline.verdict import StoredVerdict, Verdict
 
 ACTION_LOGS, ACTION_SNOOZE = "eagle3_show_logs", "eagle3_snooze"
 

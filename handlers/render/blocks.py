@@ -17,8 +17,8 @@ from slack_sdk.models.blocks import (
 
 from handlers.render.views import ago, plain_times, slack_time
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
-from pipeline.observe.verdict import fmt_bytes
 from pipeline.status import RunStatus, StageStatus
+from pipeline.verdict import fmt_bytes
 
 SECTION_LIMIT = 3000
 ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER = "eagle3_autostart_on", "eagle3_autostart_off", "eagle3_later"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from pipeline.observe.verdict import Verdict, fmt_bytes
 from pipeline.status import RunStatus, StageStatus
+from pipeline.verdict import Verdict, fmt_bytes
 
 
 def ago(seconds: float | None) -> str:

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pipeline.draft import rope
 from pipeline.draft.format import ARCH
-from pipeline.train import rope
 
 REQUIRED = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
             "num_key_value_heads", "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings",

@@ -32,8 +32,8 @@ from pipeline.extract.storing import LAYER_CONVENTION, DiskError, Stored, StoreS
 from pipeline.extract.writer import DTYPES, remove_temp_files, sample_path
 from pipeline.layout import HIDDEN_DIR
 from pipeline.manifest import Manifest
-from pipeline.observe.verdict import fmt_bytes
 from pipeline.prepare import read_meta as read_prepare_meta
+from pipeline.verdict import fmt_bytes
 
 
 @dataclass

@@ -11,7 +11,7 @@ import time
 
 from pipeline.observe.eta import EtaEstimator
 from pipeline.observe.latency import LatencyProfile
-from pipeline.observe.verdict import fmt_s
+from pipeline.verdict import fmt_s
 
 
 class ProgressLine:

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline.config import Workspace
 from pipeline.manifest import summarize
 from pipeline.observe.done import source_of
-from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.store import Store
 
 

@@ -19,8 +19,8 @@ from pipeline.errors import UserError
 from pipeline.handoff import completion
 from pipeline.observe.done import finished
 from pipeline.stages.host import port_free
-from pipeline.stages.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor
+from pipeline.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.store import KV, Store
 from pipeline.train.export import draft_note
 
@@ -65,7 +65,7 @@ TRAINING_DONE, TRAINING_FAILED = HandoffStep.TRAINING_DONE, HandoffStep.TRAINING
 CANCELLABLE = frozenset(s for s in HandoffStep if s.cancellable)
 FOLLOWED = frozenset(s for s in HandoffStep if s.followed)
 KEY = KV.HANDOFF
-# The handoff's edges, as the stages have theirs (pipeline/stages/states.py): `_set` refuses any other.
+# The handoff's edges, as the stages have theirs (pipeline/states.py): `_set` refuses any other.
 # None is "no handoff of this run" (off, or a finished one of an earlier run): arming starts from it.
 _EDGES = {
     (None, ARMED),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pipeline.observe.verdict import StoredVerdict
+from pipeline.verdict import StoredVerdict
 
 WIDTH_PX, HEIGHT_PX, DPI = 960, 840, 150
 PREVIEW_PX = 480  # the width Slack previews an image at

@@ -25,7 +25,7 @@ from pipeline.observe.costfit import CostModel
 from pipeline.observe.done import not_done
 from pipeline.observe.eta import EtaEstimator
 from pipeline.observe.latency import LatencyProfile
-from pipeline.observe.verdict import (
+from pipeline.verdict import (
     Policy,
     VerdictRecord,
     fmt_s,

@@ -30,7 +30,7 @@ from pipeline.observe.probes.progress import (
     read_train_progress,
 )
 from pipeline.observe.probes.tensorboard import TensorboardProgress
-from pipeline.observe.verdict import num
+from pipeline.verdict import num
 
 
 def source_of(ws: Workspace, stage: str) -> str:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from pipeline.observe.costfit import CostModel
 from pipeline.observe.latency import LatencyProfile, LatencyShape
-from pipeline.observe.verdict import fmt_s
+from pipeline.verdict import fmt_s
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from pipeline.observe.diagnosis import Diagnoser
-from pipeline.observe.verdict import Policy, VerdictRecord
+from pipeline.verdict import Policy, VerdictRecord
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ from pipeline.observe.probes.files import FileScanner
 from pipeline.observe.probes.gpu import FakeNvml, GpuProbe, RealNvml
 from pipeline.observe.probes.process import group_processes, read_process
 from pipeline.observe.probes.server import ServerProbe
-from pipeline.observe.verdict import Policy, StoredVerdict, VerdictRecord, fmt_bytes
 from pipeline.stages.slurm import is_local_host
-from pipeline.stages.states import StageState
 from pipeline.stages.supervisor import Supervisor
+from pipeline.states import StageState
 from pipeline.store import KV, Store
+from pipeline.verdict import Policy, StoredVerdict, VerdictRecord, fmt_bytes
 
 HISTORY_S = 7200.0  # history replayed into a fresh diagnoser after a restart
 

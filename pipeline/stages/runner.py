@@ -19,8 +19,8 @@ import threading
 from pipeline.config import STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.stages.host import RealHost, stage_env
 from pipeline.stages.logfile import RotatingLog
-from pipeline.stages.states import StageState, transition
 from pipeline.stages.supervisor import claim_row, record_exit
+from pipeline.states import StageState, transition
 from pipeline.store import Store
 
 DRAIN_AFTER_EXIT_S = 5.0

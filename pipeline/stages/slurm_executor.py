@@ -14,7 +14,7 @@ from pipeline.errors import StageError
 from pipeline.stages import slurm
 from pipeline.stages.host import StopResult, stage_env
 from pipeline.stages.logfile import rotate_in_place
-from pipeline.stages.states import StageState, close_run_after_training, transition
+from pipeline.states import StageState, close_run_after_training, transition
 from pipeline.store import Store
 
 SUBMIT_WINDOW_S = 60.0  # a job row with no id and no job of its name after this was never submitted

@@ -15,7 +15,7 @@ from pipeline.errors import StageError
 from pipeline.stages.host import SIGKILL, SIGTERM, RealHost, StopResult
 from pipeline.stages.slurm import job_name
 from pipeline.stages.slurm_executor import SlurmExecutor
-from pipeline.stages.states import (
+from pipeline.states import (
     MAYBE_ALIVE_STATES,
     StageProc,
     StageState,

@@ -32,7 +32,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def sglang_config(cfg: dict) -> dict:
     """config.json for SGLang from the trainer's draft config."""
-    from pipeline.train import rope  # torch: only where a draft is exported
+    from pipeline.draft import rope  # torch: only where a draft is exported
 
     out = {"architectures": [ARCH], "model_type": "llama", "num_hidden_layers": 1,
            "hidden_size": cfg["hidden_size"], "num_attention_heads": cfg["num_attention_heads"],

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RUN_ENV
-from pipeline.draft import capture
+from pipeline.draft import capture, rope
 from pipeline.errors import UserError
-from pipeline.train import checkpoint, rope
+from pipeline.train import checkpoint
 from pipeline.train.data import (
     BatchStream,
     Corpus,
@@ -207,7 +207,7 @@ def draft_shape(args, c: dict, H: int) -> tuple[dict, str]:
 def draft_config(args, corpus: Corpus, target: Target) -> DraftConfig:
     """The draft's shapes: hidden size = the target's; attention and MLP from the target's config (SpecForge's
     shape for MLA targets) or flags; RoPE as the target's config gives it, refused before step 1 where SGLang
-    would serve the draft with other angles (pipeline/train/rope.py)."""
+    would serve the draft with other angles (pipeline/draft/rope.py)."""
     c = target.config
     H = target.hidden
     shape, _ = draft_shape(args, c, H)

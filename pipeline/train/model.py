@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.train import rope
+from pipeline.draft import rope
 from pipeline.train.attention import ttt_attention
 
 STEP_WEIGHT = 0.8
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h2, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(h2, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        # RoPE as SGLang serves this config (rope_scaling included: pipeline/train/rope.py)
+        # RoPE as SGLang serves this config (rope_scaling included: pipeline/draft/rope.py)
         self.rope = rope.build(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):

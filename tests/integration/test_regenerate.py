@@ -74,7 +74,7 @@ def test_from_a_chat_file_to_a_measured_draft(tmp_path):
     exported draft's τ is measured as SGLang serves it."""
     from pipeline.config import load_workspace
     from pipeline.controller import Controller
-    from pipeline.draft.evaluate import evaluate
+    from pipeline.evaluate import evaluate
     from pipeline.monitor import Monitor
     from pipeline.toy.demo_workspace import write_demo_workspace
     from tests.toy import ToyServer

@@ -7,7 +7,7 @@ import pytest
 
 from bot.cli import COMMANDS, PASSTHROUGH, build_parser, main
 from handlers.verbs import HELP, SUBCOMMANDS, parse
-from pipeline.observe.verdict import VERDICTS
+from pipeline.verdict import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -11,7 +11,7 @@ import psutil
 from pipeline.observe.probes import Reading, known, unknown
 from pipeline.stages.host import started
 from pipeline.stages.logfile import tail_lines
-from pipeline.stages.states import StageState
+from pipeline.states import StageState
 
 
 def group_processes(pgid: int, since: float) -> list[psutil.Process]:

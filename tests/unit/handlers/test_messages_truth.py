@@ -11,7 +11,7 @@ from handlers.render.blocks import ACTION_AUTOSTART, status_blocks
 from handlers.render.views import status_text, train_guard_text
 from handlers.slash import answer
 from pipeline.handoff import completion
-from pipeline.observe.verdict import StoredVerdict
+from pipeline.verdict import StoredVerdict
 
 pytestmark = pytest.mark.timeout(30)
 

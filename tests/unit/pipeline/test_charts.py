@@ -8,8 +8,8 @@ import struct
 import pytest
 
 from pipeline.observe.charts import HEIGHT_PX, MIN_TEXT_PX, PREVIEW_PX, WIDTH_PX, draw, render
-from pipeline.observe.verdict import StoredVerdict
 from pipeline.toy.simtrace import Scenario, simulate
+from pipeline.verdict import StoredVerdict
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from pipeline.observe.diagnosis import Diagnoser, diagnose
-from pipeline.observe.verdict import Policy
 from pipeline.toy.etabench import eta_errors
 from pipeline.toy.simtrace import Scenario, simulate, standard_scenarios
+from pipeline.verdict import Policy
 
 SCENARIOS = {sc.name: sc for sc in standard_scenarios()}
 

@@ -11,7 +11,7 @@ from pipeline.config import Workspace
 from pipeline.controller import Controller, ServerHoldsGpusError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
-from pipeline.stages.states import StageProc, StageState
+from pipeline.states import StageProc, StageState
 from pipeline.store import Store
 from tests.conftest import workspace_of
 

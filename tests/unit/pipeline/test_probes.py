@@ -17,7 +17,7 @@ from pipeline.observe.probes.gpu import FakeNvml, GpuProbe
 from pipeline.observe.probes.process import read_process
 from pipeline.observe.probes.progress import LogProgress, read_manifest, read_train_progress
 from pipeline.observe.probes.server import ServerProbe, parse_metrics
-from pipeline.stages.states import StageProc
+from pipeline.states import StageProc
 
 
 # --- files -----------------------------------------------------------------------

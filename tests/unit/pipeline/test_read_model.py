@@ -7,7 +7,7 @@ import pytest
 
 from handlers.render.alerts import event_message
 from pipeline.handoff.machine import CANCELLABLE, FOLLOWED, HandoffStep
-from pipeline.observe.verdict import VERDICTS, StoredVerdict, Verdict, VerdictRecord
+from pipeline.verdict import VERDICTS, StoredVerdict, Verdict, VerdictRecord
 
 
 def test_the_verdicts_are_the_documented_strings_and_only_stalled_and_dead_are_stuck():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pipeline.train import rope
+from pipeline.draft import rope
 
 pytestmark = pytest.mark.timeout(60)
 POSITIONS = torch.tensor([0, 5, 100, 1000])

@@ -3,8 +3,8 @@
 import pytest
 
 from pipeline.observe.diagnosis import Diagnoser
-from pipeline.observe.verdict import Policy
 from pipeline.toy.simtrace import Scenario, simulate, standard_scenarios
+from pipeline.verdict import Policy
 
 SCENARIOS = {sc.name: sc for sc in standard_scenarios()}
 

@@ -140,7 +140,7 @@ def test_second_start_is_refused_while_running(setup):
 
 
 def test_illegal_transition_asserts(setup):
-    from pipeline.stages.states import StageState, transition
+    from pipeline.states import StageState, transition
     ws, host, store, sup = setup
     proc_id = add_running(store, host)
     record_exit(store, proc_id, returncode=0, now=host.now)
