@@ -233,6 +233,19 @@ def test_no_rooms_import_each_other_round_a_circle():
     assert circles({r: ts - {r} for r, ts in rooms.items()}) == []
 
 
+# pipeline/'s floor: the store, the records it hands out, the config and the shared file formats. Every room
+# stands on it; it imports only itself (an arrow from here to a room or to the controller would run back up).
+FLOOR = {"pipeline", "pipeline.store", "pipeline.states", "pipeline.verdict", "pipeline.status", "pipeline.config",
+         "pipeline.errors", "pipeline.manifest", "pipeline.layout", "pipeline.fileperm", "pipeline.templates",
+         "pipeline.timeparse", "pipeline.servelock", "pipeline.prepare"}
+
+
+def test_the_floor_imports_nothing_above_it():
+    graph = import_graph()
+    assert FLOOR <= graph.keys()
+    assert {m: sorted(graph[m] - FLOOR) for m in FLOOR if graph[m] - FLOOR} == {}
+
+
 def test_the_circle_finder_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
