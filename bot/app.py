@@ -68,7 +68,8 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
         return Controller(workspace=ws, store=store)
 
     _warm_authorization(app)
-    app.middleware(guard(ws, controller_factory))  # authorization and audit, in front of every listener
+    # authorization and audit, in front of every listener; a refused click is answered from Bolt's own pool
+    app.middleware(guard(ws, controller_factory, app.listener_runner.listener_executor))
     slash.register(app, controller_factory=controller_factory, ws=ws)
     buttons.register(app, controller_factory=controller_factory, ws=ws)
     home.register(app, controller_factory=controller_factory)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 from handlers.render.blocks import text_blocks
 from handlers.verbs import LABELS, MUTATING, READ_ONLY_ACTIONS, parse
 
@@ -36,9 +34,10 @@ def request_facts(body: dict) -> tuple[str, str, str | None, str, bool]:
     return "event", event.get("user", "?"), event.get("channel"), event.get("type", body.get("type", "?")), False
 
 
-def guard(ws, controller_factory):
+def guard(ws, controller_factory, executor):
     """Bolt global middleware: one authorization-and-audit step in front of every listener (commands, buttons,
-    App Home, and any registered later). A refusal is answered and audited here; the listener never runs."""
+    App Home, and any registered later). A refusal is answered and audited here; the listener never runs.
+    `executor`: the app's bounded listener pool, where a refused click's answer goes after the ack."""
     from slack_bolt import BoltResponse
 
     def middleware(body, ack, respond, next):  # noqa: A002 - Bolt injects `next` by name
@@ -56,8 +55,7 @@ def guard(ws, controller_factory):
         if kind == "command":
             return ack(text=why, blocks=text_blocks(f":no_entry: {why}"))
         if kind == "action":  # answered after the ack, never delaying it (Slack's 3 s)
-            threading.Thread(target=respond, kwargs={"text": why, "response_type": "ephemeral",
-                                                     "replace_original": False}, daemon=True).start()
+            executor.submit(respond, text=why, response_type="ephemeral", replace_original=False)
             return ack()
         return BoltResponse(status=200, body="")
 

@@ -48,6 +48,9 @@ def slack_env(tmp_path, *extract_args: str, extra: str = ""):
                "wsgi": server.get_app(), "app": app}
     finally:
         server.shutdown()
+        # what listeners still run after their ack (a confirmed stop, a refusal's answer) ends while the fake Slack
+        # still listens: run on, it would fail on a closed port and log into whichever test runs next
+        app.listener_runner.listener_executor.shutdown(wait=True)
         fake.close()
         with Controller.open(str(cfg)) as ctl:
             ctl.stop_all(grace_s=1)

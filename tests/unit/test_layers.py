@@ -394,3 +394,11 @@ def test_the_service_keeps_one_store_per_thread():
     pass (issue 36): a pass a second used to run the integrity check over the whole file each time."""
     text = (ROOT / "bot" / "service.py").read_text()
     assert text.count("Store(") == 2 and "def thread_store" in text
+
+
+def test_listeners_start_no_thread_of_their_own():
+    """What runs after an ack runs in Bolt's bounded listener pool (issue 36): no listener, nor the middleware,
+    starts a thread that nothing bounds or waits for."""
+    offenders = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "handlers").rglob("*.py")
+                       if {"threading", "_thread"} & imported_roots(p))
+    assert offenders == []
