@@ -15,7 +15,7 @@ import signal
 import sqlite3
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -82,6 +82,26 @@ class _Job:
     latency_s: float | None = None  # the last answered request's own seconds (the ETA's cost shape)
 
 
+@dataclass
+class _Work:
+    """One run's state, made when it starts (`Extractor.run`): what was prepared, the queues between requesting
+    and storing, and how many samples are where."""
+
+    data: ds.Dataset
+    plan: Plan
+    manifest: Manifest
+    spec: StoreSpec
+    progress: ProgressLine
+    remaining: int  # samples not yet recorded, done or failed
+    answers: asyncio.Queue  # (job, answer) pairs received, for the store workers (bounded: 2 × concurrency)
+    jobs: asyncio.Queue = field(default_factory=asyncio.Queue)  # samples read, waiting for a request slot
+    inflight: int = 0  # requests outstanding
+    storing: int = 0  # answers received and not yet recorded
+    writing: int = 0  # writes running in a thread (never interrupted: always waited for)
+    freed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when budget is given back
+    workers: list[ParseWorker] = field(default_factory=list)  # the parse worker processes
+
+
 class Extractor:
     """One extraction run over a dataset."""
 
@@ -108,6 +128,7 @@ class Extractor:
         self.inflight_bytes = 0.0
         self.warned_large: set[int] = set()
         self._published = 0.0
+        self.work: _Work | None = None  # the run's state, from `run()` on
 
     def _budget(self) -> float:
         if self.o.max_inflight_gb is not None:
@@ -174,16 +195,14 @@ class Extractor:
         if "hidden_size" in manifest.meta():
             self.width = int(manifest.meta()["hidden_size"]) * p.layers
             self.hidden_recorded = True
-        self.data, self.plan, self.manifest = data, p, manifest
-        self.spec = StoreSpec(out=self.o.out, mode=self.o.mode, parser=self.o.parser, dtype=self.o.dtype,
-                              dump_field=self.o.dump_field, plan=p)
-        self.progress = ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
-                                     tokens_total=data.tokens_total, tokens_left=sum(data.tokens[i] for i in todo),
-                                     tokens_sq_left=sum(data.tokens[i] ** 2 for i in todo))
-        self.jobs: asyncio.Queue[_Job] = asyncio.Queue()
-        self.answers: asyncio.Queue[tuple[_Job, bytes]] = asyncio.Queue(maxsize=2 * self.o.concurrency)
-        self.remaining, self.inflight, self.storing, self.writing = len(todo), 0, 0, 0
-        self.freed = asyncio.Event()  # set (and replaced) each time budget is given back
+        self.work = _Work(
+            data=data, plan=p, manifest=manifest, remaining=len(todo),
+            spec=StoreSpec(out=self.o.out, mode=self.o.mode, parser=self.o.parser, dtype=self.o.dtype,
+                           dump_field=self.o.dump_field, plan=p),
+            progress=ProgressLine(total=len(data), done=len(data) - len(todo), log=self.log,
+                                  tokens_total=data.tokens_total, tokens_left=sum(data.tokens[i] for i in todo),
+                                  tokens_sq_left=sum(data.tokens[i] ** 2 for i in todo)),
+            answers=asyncio.Queue(maxsize=2 * self.o.concurrency))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
@@ -192,25 +211,24 @@ class Extractor:
         self.say(f"requesting, parsing and writing in {n} worker process(es)" + (" (one per core, less one for "
                  "the client; --parse-workers to change)" if self.o.parse_workers is None else "") if n else
                  f"parsing and writing in {STORE_WORKERS} threads of the client (--parse-workers 0)")
-        self.workers: list[ParseWorker] = []
         try:
-            self.workers += [self._start_worker() for _ in range(n)]
+            self.work.workers += [self._start_worker() for _ in range(n)]
             with open(self.o.data, "rb") as fh:
                 async with httpx.AsyncClient(base_url=self.o.server, timeout=self.o.timeout_s, limits=limits) as client:
                     tasks = [asyncio.create_task(self._feed(fh, todo))]
                     tasks += [asyncio.create_task(self._requester(client)) for _ in range(self.o.concurrency)]
-                    if not self.workers:
+                    if not self.work.workers:
                         tasks += [asyncio.create_task(self._storer()) for _ in range(STORE_WORKERS)]
                     await self._until_finished()
                     await end_tasks(tasks)
         finally:
-            for w in self.workers:
+            for w in self.work.workers:
                 w.close()
-            if self.workers:
+            if self.work.workers:
                 self._drop_uncounted()
         manifest.set_meta({"inflight_bytes": 0})
         manifest.close()
-        self.progress.final()
+        self.work.progress.final()
         if self.fatal:
             raise UserError(str(self.fatal))
         if self.stopping.is_set():
@@ -224,14 +242,14 @@ class Extractor:
         cancelling its task instead would leave a complete file the manifest does not count."""
         drain_deadline = None
         while True:
-            if not self.remaining or self.fatal is not None:
+            if not self.work.remaining or self.fatal is not None:
                 ended = True
             elif self.stopping.is_set():
                 drain_deadline = drain_deadline or time.monotonic() + STOP_DRAIN_S
-                ended = (not self.inflight and not self.storing) or time.monotonic() > drain_deadline
+                ended = (not self.work.inflight and not self.work.storing) or time.monotonic() > drain_deadline
             else:
                 ended = False
-            if ended and not self.writing:
+            if ended and not self.work.writing:
                 return
             await asyncio.sleep(0.05)
 
@@ -246,19 +264,19 @@ class Extractor:
     async def _feed(self, fh, todo: list[int]) -> None:
         """Read data lines lazily, keeping a short queue ahead of the requesters."""
         for idx in todo:
-            while self.jobs.qsize() >= 2 * self.o.concurrency and not self._ending():
+            while self.work.jobs.qsize() >= 2 * self.o.concurrency and not self._ending():
                 await asyncio.sleep(0.005)
             if self._ending():
                 return
-            if idx in self.data.errors:
-                self._finish(_Job(idx, [], None), "failed", error=self.data.errors[idx])
+            if idx in self.work.data.errors:
+                self._finish(_Job(idx, [], None), "failed", error=self.work.data.errors[idx])
                 continue
-            ids, sid, mask = self.data.read_sample(fh, idx)
-            self.jobs.put_nowait(_Job(idx, ids, sid, mask))
+            ids, sid, mask = self.work.data.read_sample(fh, idx)
+            self.work.jobs.put_nowait(_Job(idx, ids, sid, mask))
 
     async def _requester(self, client) -> None:
         while True:
-            job = await self.jobs.get()
+            job = await self.work.jobs.get()
             if self._ending():
                 continue  # abandoned: not recorded, so it is extracted on resume
             await self._wait_for_server(client)
@@ -267,11 +285,11 @@ class Extractor:
             if self._ending():  # the run ended while this sample waited for room in the budget
                 self._release(job)
                 continue
-            if self.workers:
+            if self.work.workers:
                 await self._through_worker(job)
                 continue
             job.attempts += 1
-            self.inflight += 1
+            self.work.inflight += 1
             try:
                 content = await self._send(client, job)
             except httpx.TransportError as exc:
@@ -279,7 +297,7 @@ class Extractor:
                 job.attempts -= 1  # an unreachable server is not this sample's fault
                 job.last_error = _http_reason(exc)
                 self.server_up.clear()
-                self.jobs.put_nowait(job)
+                self.work.jobs.put_nowait(job)
                 continue
             except httpx.HTTPStatusError as exc:
                 self._release(job)
@@ -290,9 +308,9 @@ class Extractor:
                 self.fatal = UserError(f"unexpected error requesting sample {job.idx}: {type(exc).__name__}: {exc}")
                 return
             finally:
-                self.inflight -= 1
-            self.storing += 1
-            await self.answers.put((job, content))
+                self.work.inflight -= 1
+            self.work.storing += 1
+            await self.work.answers.put((job, content))
             del content  # else this worker keeps its last answer alive while it waits for the next
 
     def _drop_uncounted(self) -> None:
@@ -304,10 +322,10 @@ class Extractor:
 
     async def _through_worker(self, job: _Job) -> None:
         """One admitted sample, requested, stored and written by the least busy parse worker."""
-        w = min(self.workers, key=lambda w: len(w.pending))
+        w = min(self.work.workers, key=lambda w: len(w.pending))
         self.unrecorded.add(job.idx)
         job.attempts += 1
-        self.inflight += 1
+        self.work.inflight += 1
         if self.on_request:
             self.on_request(+1, time.monotonic())
         try:
@@ -319,7 +337,7 @@ class Extractor:
             self._retry(job, str(exc), retryable=True)
             return
         finally:
-            self.inflight -= 1
+            self.work.inflight -= 1
             if self.on_request:
                 self.on_request(-1, time.monotonic())
         self._release(job)
@@ -328,7 +346,7 @@ class Extractor:
             job.attempts -= 1
             job.last_error = reply["transport"]
             self.server_up.clear()
-            self.jobs.put_nowait(job)
+            self.work.jobs.put_nowait(job)
         elif "http" in reply:
             self._retry(job, reply["http"], retryable=True)
         elif "ok" in reply:
@@ -344,18 +362,18 @@ class Extractor:
 
     def _replace(self, w: ParseWorker, reason: str) -> None:
         """A dead worker gives way to a new one (once, however many samples it held)."""
-        if w not in self.workers or self._ending():
+        if w not in self.work.workers or self._ending():
             return
-        k = self.workers.index(w)
-        self.workers[k] = self._start_worker()
+        k = self.work.workers.index(w)
+        self.work.workers[k] = self._start_worker()
         w.close(timeout_s=1.0)
-        self.say(f"warning: {reason}; started another (pid {self.workers[k].pid}), its samples are tried again")
+        self.say(f"warning: {reason}; started another (pid {self.work.workers[k].pid}), its samples are tried again")
 
     def _body(self, job: _Job) -> dict:
         body = {"input_ids": job.ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                 "return_hidden_states": True}
-        if self.plan.topk:
-            body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=self.plan.topk)
+        if self.work.plan.topk:
+            body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=self.work.plan.topk)
         return body
 
     def _predict(self, job: _Job) -> float:
@@ -373,9 +391,9 @@ class Extractor:
             if not self.inflight_bytes or self.inflight_bytes + need <= self.budget:
                 break
             if self._ending():
-                self.jobs.put_nowait(job)
+                self.work.jobs.put_nowait(job)
                 return False
-            await wait_at_most(self.freed, 0.5)
+            await wait_at_most(self.work.freed, 0.5)
         self.inflight_bytes += need
         job.reserved = need
         if need > self.budget and self.width and job.idx not in self.warned_large:
@@ -391,7 +409,7 @@ class Extractor:
             return
         self.inflight_bytes = max(0.0, self.inflight_bytes - job.reserved)
         job.reserved = 0.0
-        freed, self.freed = self.freed, asyncio.Event()
+        freed, self.work.freed = self.work.freed, asyncio.Event()
         freed.set()
 
     async def _send(self, client, job: _Job) -> bytes:
@@ -416,22 +434,22 @@ class Extractor:
     async def _storer(self) -> None:
         """Take answers and store them in a thread."""
         while True:
-            job, content = await self.answers.get()
+            job, content = await self.work.answers.get()
             box = [content]  # _store takes the answer out of the box, so its memory goes when it is parsed
             del content
             if self.fatal is not None:
                 box.clear()
                 self._release(job)
-                self.storing -= 1
+                self.work.storing -= 1
                 continue  # abandoned: not recorded, so it is extracted on resume
-            self.writing += 1
+            self.work.writing += 1
             try:
                 fields = {"idx": job.idx, "ids": job.ids, "sid": job.sid, "loss_mask": job.loss_mask,
                           "width": self.width}
                 try:
-                    stored = await asyncio.to_thread(store_answer, self.spec, box, **fields)
+                    stored = await asyncio.to_thread(store_answer, self.work.spec, box, **fields)
                 finally:
-                    self.writing -= 1
+                    self.work.writing -= 1
                     box.clear()
                     self._release(job)
                 self._stored(job, stored)
@@ -443,7 +461,7 @@ class Extractor:
                 self.fatal = UserError(f"unexpected error storing sample {job.idx}: {type(exc).__name__}: {exc}; "
                                        "the manifest is consistent — please report this, then rerun to resume")
             finally:
-                self.storing -= 1
+                self.work.storing -= 1
 
     def _retry(self, job: _Job, reason: str, *, retryable: bool) -> None:
         job.last_error = reason
@@ -457,14 +475,14 @@ class Extractor:
 
         async def later() -> None:
             await asyncio.sleep(min(30.0, 0.5 * 2 ** (job.attempts - 1)))
-            self.jobs.put_nowait(job)
+            self.work.jobs.put_nowait(job)
 
         asyncio.get_running_loop().create_task(later())
 
     def _finish(self, job: _Job, status: str, *, nbytes: int | None = None, error: str | None = None) -> None:
         tokens = len(job.ids) if job.ids else None
         try:
-            self.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
+            self.work.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
                                  attempts=job.attempts, error=None if error is None else error[:500],
                                  now=time.time(), latency_s=job.latency_s if status == "done" else None)
         except sqlite3.Error as exc:
@@ -475,15 +493,15 @@ class Extractor:
             return
         self.unrecorded.discard(job.idx)
         if status == "done" and self.width and not self.hidden_recorded:
-            self.manifest.set_meta({"hidden_size": self.width // self.plan.layers})
+            self.work.manifest.set_meta({"hidden_size": self.width // self.work.plan.layers})
             self.hidden_recorded = True
-        self.remaining -= 1
-        self.progress.add(ok=status == "done", tokens=tokens or 0,
+        self.work.remaining -= 1
+        self.work.progress.add(ok=status == "done", tokens=tokens or 0,
                           latency_s=job.latency_s if status == "done" else None)
         if time.monotonic() - self._published > 2.0:  # for `eagle3 status`: bytes in flight, now and then
             self._published = time.monotonic()
             try:
-                self.manifest.set_meta({"inflight_bytes": int(self.inflight_bytes)})
+                self.work.manifest.set_meta({"inflight_bytes": int(self.inflight_bytes)})
             except sqlite3.Error:
                 pass
 
@@ -497,7 +515,7 @@ class Extractor:
 
     def _start_worker(self) -> ParseWorker:
         slots = -(-self.o.concurrency // max(1, self.n_workers))  # the requests in flight, shared out
-        return ParseWorker(self.spec, server=self.o.server, timeout_s=self.o.timeout_s, slots=slots)
+        return ParseWorker(self.work.spec, server=self.o.server, timeout_s=self.o.timeout_s, slots=slots)
 
 
     async def _wait_for_server(self, client) -> None:
