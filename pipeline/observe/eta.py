@@ -24,11 +24,13 @@ latency second over recent spans (1 with one request at a time; about 1/concurre
 continuous-batching server shares its GPUs among the requests in flight, under which a request's
 expected latency is proportional to its own cost).
 
-Where the stage reports neither (only done/total/tokens), a span's Σtokens² is taken as tokens² /
-samples — exact when its prompts are alike, as on length-sorted data, and proportional to the truth on
-shuffled data — and the work left's is estimated (`EtaEstimator._sq_left_range`): on length-sorted data
-from its mean and the current length; on unsorted data (buckets in random order, shuffled) between
-all-alike and as spread as the spans seen so far. Its bounds widen the band.
+Where the stage reports neither (only done/total/tokens), a span's Σtokens² is its progress intervals'
+tokens² / samples plus how much prompts differ within an interval, estimated from consecutive intervals'
+mean lengths (`EtaEstimator._within`) — not as if the span's prompts were alike, which on a length
+bucket that holds prompts from 1,300 to 3,300 tokens read their cost per token² high — and the work
+left's is estimated in the same units (`EtaEstimator._sq_left_range`): on length-sorted data from its
+mean and the current length; on unsorted data (buckets in random order, shuffled) between spread as
+within the spans seen and as spread as the spans seen so far. Its bounds widen the band.
 
 Where the spans cannot tell the cost's curvature — two or three length levels seen, as at a quarter of
 data sorted into length buckets, which a line and a parabola fit alike — the estimate is the geometric
@@ -39,6 +41,8 @@ spans them: "4–7 h" rather than whichever extrapolation the noise favours.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from pipeline.observe.costfit import CostModel
@@ -82,6 +86,8 @@ class EtaEstimator:
     TREND_RANK = 0.6  # |rank correlation| of the spans' lengths with time from which data count as sorted
     SPREAD_BOUND = 2.0  # Σtokens² · n / (Σtokens)² of the prompts left at most: a coefficient of variation of 1
     MIN_LATENCY_SAMPLES = 50
+    WITHIN_PAIRS = 15  # consecutive intervals whose mean lengths' differences give the spread within one
+    CHI2_1_MEDIAN = 0.4549  # the median of χ² with one degree of freedom
     LATENCY_BAND_SD = 3.0  # the latency fit's band: three standard errors of its sum over the work left
     # The prompts left may be this much longer (RMS) than those timed so far: beyond, the quadratic term is
     # extrapolated too far to trust (on the benchmark's lognormal lengths sorted ascending, this falls
@@ -107,6 +113,12 @@ class EtaEstimator:
         self.recent_length: float | None = None  # the last span's mean prompt length, tokens
         self.span_lengths: list[tuple[float, float]] = []  # each span's (samples, mean prompt length)
         self._order: tuple[float | None, float] | None = None  # (_trend(), spans' CV²) until the next span
+        # How much the prompts within one progress interval differ from one another, from consecutive
+        # intervals' mean lengths (`_within`): a span's Σtokens² is then its intervals' tokens² / samples
+        # plus that spread, not as if its prompts were alike
+        self._last_mean: tuple[float, float] | None = None  # the previous interval's (samples, mean length)
+        self._pairs: deque[float] = deque(maxlen=self.WITHIN_PAIRS)
+        self._within_sums = [0.0, 0.0]  # Σ samples·(within-span CV²), Σ samples: the run's average
 
     def add(self, *, t: float, dt: float, samples: float, tokens: float | None, tokens_sq: float | None = None,
             latency: LatencyProfile | None = None) -> None:
@@ -125,7 +137,7 @@ class EtaEstimator:
         o[0] += dt
         o[1] += samples
         o[2] += tokens or 0.0
-        o[3] += tokens_sq or 0.0
+        o[3] += tokens_sq if tokens_sq is not None else self._within(samples, tokens)
         self._has = [self._has[0] and tokens is not None, self._has[1] and tokens_sq is not None]
         span = min(self.SPAN_MAX_S, max(self.SPAN_MIN_S, (t - self.first_t) / self.SPANS_PER_RUN))
         proxied = self._has[0] and not self._has[1]  # token counts without Σtokens²
@@ -133,9 +145,12 @@ class EtaEstimator:
         if o[0] >= span and whole:
             k = o[2] if self._has[0] else None
             q = o[3] if self._has[1] else None
-            if q is None and k is not None:  # Σtokens² not reported: the span's as if its prompts were alike
-                q = k * k / o[1]
+            if q is None and k is not None:  # Σtokens² not reported: its intervals' with their spread
+                q = o[3]
                 self.sq_proxy = True
+                if k > 0:
+                    self._within_sums[0] += o[1] * max(q * o[1] / (k * k) - 1.0, 0.0)
+                    self._within_sums[1] += o[1]
             if k is not None:
                 self.recent_length = k / o[1]
                 self.span_lengths.append((o[1], k / o[1]))
@@ -151,6 +166,22 @@ class EtaEstimator:
                 for sc in self.scales:
                     sc.add(t, (o[0], o[1], o[2], o[3]))
             self._open = None
+
+    def _within(self, samples: float, tokens: float | None) -> float:
+        """One interval's Σtokens² where only its samples and tokens are known: n·m² for the mean length m,
+        plus (n − 1)·s² for the spread s² of prompts about it. s² / m² is estimated from consecutive
+        intervals: their mean lengths differ by (m₁ − m₂)² ≈ s²·(1/n₁ + 1/n₂) when both draw from the same
+        prompts (the median of the last WITHIN_PAIRS, so that a jump between length buckets counts for
+        little). On length-sorted data it is about 0; on shuffled data the spread of the whole dataset."""
+        if tokens is None or samples <= 0:
+            return 0.0
+        m = tokens / samples
+        if self._last_mean is not None and m > 0 and self._last_mean[1] > 0:
+            pn, pm = self._last_mean
+            self._pairs.append((m - pm) ** 2 / (1.0 / samples + 1.0 / pn) / (m * pm))
+        self._last_mean = (samples, m)
+        cv2 = statistics.median(self._pairs) / self.CHI2_1_MEDIAN if len(self._pairs) >= 5 else 0.0
+        return samples * m * m + (samples - 1.0) * cv2 * m * m
 
     def add_latency(self, profile: LatencyProfile | None) -> None:
         """Samples' latencies, for the cost's shape only (directly: those finished before the first
@@ -220,7 +251,8 @@ class EtaEstimator:
 
     def _sq_left_range(self, n: float, k: float) -> tuple[float, float, float]:
         """(low, estimate, high) of Σtokens² over the work left when the stage does not report it. At
-        least k² / n (all prompts alike). On length-sorted data (the spans' lengths rank with time, and
+        least k² / n (all prompts alike); the prompts left are taken to differ within a span as much as
+        those seen did on average (`_within`). On length-sorted data (the spans' lengths rank with time, and
         the prompts left are longer — or shorter — still) the prompts left spread from
         the current length to beyond their mean as an exponential tail would, which on lognormal lengths
         sorted ascending comes within 5 % of the truth from 10 % to 75 % progress; shorter prompts to come
@@ -238,14 +270,20 @@ class EtaEstimator:
         # the reverse. Anything else (buckets in random order, shuffled data) is unordered.
         ordered = trend is None or (trend >= self.TREND_RANK and mean >= current) or (
             trend <= -self.TREND_RANK and mean <= current)
+        within = self._within_sums[0] / self._within_sums[1] if self._within_sums[1] > 0 else 0.0
         if not ordered:
-            # no order by length (buckets in random order, shuffled data): the prompts left spread about
-            # their mean as much as the spans seen so far spread about theirs, at most
-            high = floor * (1.0 + cv2)
-            return floor, math.sqrt(floor * high), high
+            # no order by length (buckets in random order, shuffled data): the prompts left spread within
+            # a span as those seen did, and about their mean as much as the spans seen so far spread
+            # about theirs, at most
+            base = floor * (1.0 + within)
+            high = base * (1.0 + cv2)
+            return floor, math.sqrt(base * high), high
+        # sorted (or in length buckets, which are shuffled inside): the prompts left spread within a span
+        # as those seen did, and over their lengths to come
+        base = floor * (1.0 + within)
         if mean < current:  # shorter prompts to come (sorted descending): no tail beyond
-            return floor, floor, floor + spread
-        return floor, floor + spread, floor + 2 * spread
+            return floor, base, base + spread
+        return floor, base + spread, base + 2 * spread
 
     def _spread(self) -> float:
         """The spans' mean lengths' squared coefficient of variation, weighted by their samples."""
