@@ -49,6 +49,18 @@ class Scenario:
     busy_power_w: float = 610.0
     checkpoint_every: int = 0  # training: a checkpoint pause every N steps
     checkpoint_s: float = 300.0
+    # ... whose last seconds write nothing (the file's fsync and rename, the ranks' barrier before the next step)
+    checkpoint_quiet_s: float = 0.0
+    validate_every: int = 0  # training: validation after every N steps (GPUs busy, no step, nothing written)
+    validate_s: float = 180.0
+    validate_load_s: float = 0.0  # ... whose first seconds load the validation set (a core busy, GPUs idle)
+    # training: the GPUs are read (busy at power while steps and validation run; during a checkpoint write
+    # rank 0 idles while ranks 1–7 wait at the next collective, NCCL's kernels spinning: 100 % at low power)
+    train_gpus: bool = False
+    # extraction: the server's answers arrive in bursts of this many samples (a continuous-batching server
+    # finishing a batch of long prompts together); GPUs busy while a burst is pending, quiet for its last
+    # parse_tail_s while the client receives and parses the answers
+    burst: int = 0
     slow_from_s: float | None = None
     slow_factor: float = 5.0
     stall_at_s: float | None = None
@@ -96,19 +108,24 @@ def _lengths(sc: Scenario, rng: random.Random) -> list[int]:
     return lengths
 
 
-def _durations(sc: Scenario, lengths: list[int], rng: random.Random) -> list[tuple[float, bool]]:
+def _durations(sc: Scenario, lengths: list[int], rng: random.Random) -> list[tuple[float, str]]:
+    """Each sample's (seconds, kind): kind is "" for an ordinary sample, else "giant", "checkpoint" or
+    "validate" (the step whose end waits for a checkpoint write or a validation pass)."""
     out, t = [], 0.0
     for i, n in enumerate(lengths):
         d = (sc.overhead_s + sc.per_token_s * n + sc.per_token2_s * n * n) * rng.lognormvariate(0, sc.noise)
         giant = bool(sc.giant_every and i % sc.giant_every == sc.giant_every - 1)
         pause = bool(sc.checkpoint_every and i % sc.checkpoint_every == sc.checkpoint_every - 1)
+        validate = bool(sc.validate_every and i % sc.validate_every == sc.validate_every - 1)
         if giant:
             d = sc.giant_s * rng.uniform(0.8, 1.2)
         if pause:
             d += sc.checkpoint_s
+        if validate:
+            d += sc.validate_s
         if sc.slow_from_s is not None and t >= sc.slow_from_s:
             d *= sc.slow_factor
-        out.append((d, giant or pause))
+        out.append((d, "giant" if giant else "checkpoint" if pause else "validate" if validate else ""))
         t += d
     return out
 
@@ -119,6 +136,9 @@ def simulate(sc: Scenario) -> Trace:
     lengths = _lengths(sc, rng)
     durs = _durations(sc, lengths, rng)
     ends = list(itertools.accumulate(d for d, _ in durs))
+    for g in range(0, len(ends), sc.burst) if sc.burst else ():  # a burst's samples complete with its last
+        last = min(g + sc.burst, len(ends)) - 1
+        ends[g:last] = [ends[last]] * (last - g)
     fault = sc.stall_at_s if sc.stall_at_s is not None else sc.crash_at_s
     exit0_at = ends[int(sc.exit0_at_fraction * sc.samples) - 1] + 1 if sc.exit0_at_fraction else None
     if fault is not None:
@@ -142,17 +162,20 @@ def simulate(sc: Scenario) -> Trace:
             moments += LatencyProfile.one(lengths[i_done], durs[i_done][0])
             i_done += 1
         requesting = i_done < sc.samples and ends[i_done] != math.inf
-        # A giant prompt, or any request over 30 s, keeps the GPUs busy while it runs.
-        in_flight = requesting and (durs[i_done][1] or durs[i_done][0] > 30)
-        parsing = in_flight and durs[i_done][1] and ends[i_done] - t < sc.parse_tail_s
+        kind = durs[i_done][1] if requesting else ""
+        # A giant prompt, or any request over 30 s, keeps the GPUs busy while it runs; so does a burst.
+        in_flight = requesting and (bool(sc.burst) or kind != "" or durs[i_done][0] > 30)
+        parsing = in_flight and (bool(sc.burst) or kind == "giant") and ends[i_done] - t < sc.parse_tail_s
         stalled = fault is not None and t >= fault and sc.stall_at_s is not None
         crashed = sc.crash_at_s is not None and t >= sc.crash_at_s
         exited0 = exit0_at is not None and t >= exit0_at
         finished = i_done >= sc.samples and not crashed
         cpu += 0.04 * (i_done - prev) + (0.0 if stalled or in_flight else 0.01 * sc.tick_s)
         cpu += 0.5 * sc.tick_s if parsing and not stalled else 0.0
+        loading = kind == "validate" and 0 <= t - (ends[i_done] - sc.validate_s) < sc.validate_load_s
+        cpu += 1.0 * sc.tick_s if loading else 0.0
         new_bytes = sum(lengths[j] for j in range(prev, i_done)) * LAYERS * HIDDEN * 2
-        if in_flight and sc.stage == "train":
+        if in_flight and sc.stage == "train" and kind != "validate" and ends[i_done] - t >= sc.checkpoint_quiet_s:
             new_bytes += 2e8  # a checkpoint being written
         written += new_bytes
         failed = int(i_done * sc.fail_share)
@@ -176,6 +199,11 @@ def simulate(sc: Scenario) -> Trace:
             o["server"] = {"healthy": not (hang and t >= fault + 20),
                            "running_reqs": 32 if wedged else (1 if ((requesting and not stalled) or hang) else 0),
                            "queue_reqs": 0, "requests_total": int(i_done * 1.2 + k)}
+        if sc.stage == "train" and sc.train_gpus:
+            o["gpus"] = [({"util": 0.0, "power_w": 90.0} if g == 0 else {"util": 100.0, "power_w": 95.0})
+                         if kind == "checkpoint" else {"util": 0.0, "power_w": 90.0} if loading
+                         else {"util": 97.0, "power_w": sc.busy_power_w} for g in range(8)]
+            o["gpus"] = [{"index": g, "mem_used_mb": 60000, "power_limit_w": 700.0, **x} for g, x in enumerate(o["gpus"])]
         obs.append(o)
         if o["process"]["alive"] is False:
             break
@@ -195,6 +223,15 @@ def standard_scenarios(samples: int = 3000) -> list[Scenario]:
         # issue 31: 4–7 min prefills at 640 W, then 20 s of the client parsing the answer, GPUs quiet
         Scenario("giant-prefill-parse", samples=samples, giant_every=400, giant_s=330, parse_tail_s=20,
                  busy_power_w=640.0, seed=10),
+        # issue 31's other transitions: answers in bursts of 256 (4–7 min apart), each ending with 20 s of
+        # GPUs quiet while the client parses; training with validation passes that start with
+        # loading the validation set for 90 s (a core busy, GPUs idle); training whose checkpoint writes end with
+        # 40 s in which nothing is written while ranks 1–7 spin at the next collective
+        Scenario("answer-bursts", samples=samples, burst=256, parse_tail_s=20, busy_power_w=640.0, seed=11),
+        Scenario("validation-pauses", samples=samples, stage="train", overhead_s=0.8, per_token_s=0.0,
+                 validate_every=500, validate_s=240, validate_load_s=90, train_gpus=True, seed=12),
+        Scenario("checkpoint-write-end", samples=samples, stage="train", overhead_s=0.8, per_token_s=0.0,
+                 checkpoint_every=500, checkpoint_s=200, checkpoint_quiet_s=40, train_gpus=True, seed=13),
         Scenario("server-hang", samples=samples, stall_at_s=1200, seed=5),
         Scenario("client-deadlock", samples=samples, stall_at_s=1200, stall_kind="client-deadlock", seed=6),
         Scenario("server-wedged", samples=samples, stall_at_s=1200, stall_kind="server-wedged", seed=9),

@@ -34,11 +34,26 @@ def test_requests_running_on_a_healthy_server_are_not_work_while_nothing_complet
 
 
 @pytest.mark.parametrize("name", ["giant-prompts", "checkpoint-pauses", "slow-disk", "healthy-idle-gpus",
-                                  "sorted-lengths", "giant-prefill-parse"])
+                                  "sorted-lengths", "giant-prefill-parse", "answer-bursts", "validation-pauses",
+                                  "checkpoint-write-end"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_no_false_alarm_with_the_shorter_floor(name, seed):
     vs = verdicts(simulate(Scenario(**{**SCENARIOS[name].__dict__, "seed": seed})))
     assert not [v for v in vs if v.verdict in ("stalled", "dead")], name
+
+
+@pytest.mark.parametrize(("name", "held_by"), [
+    ("answer-bursts", "busy at 640 W 10s ago"),  # the GPUs went quiet as a burst's answers came back
+    ("validation-pauses", "CPU busy (100 % of a core)"),  # GPUs idle while the validation set loads
+    ("checkpoint-write-end", "MB written in the last"),  # the write has ended, ranks 1–7 spin at the barrier
+])
+def test_the_quiet_after_work_is_held_off_by_that_work(name, held_by):
+    """Issue 31's other transitions, each past the learned deadline with nothing counted: the work just
+    before holds the stall off (the scenarios' no-false-alarm runs above would pass on a scenario that
+    never reached its deadline; this shows each one does)."""
+    vs = verdicts(simulate(SCENARIOS[name]))
+    held = [v for v in vs if v.reasons and "but it is working" in v.reasons[0] and held_by in v.reasons[0]]
+    assert held, name
 
 
 def test_a_giant_prompt_is_work_while_the_gpus_are_busy():
