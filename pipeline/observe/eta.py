@@ -30,7 +30,8 @@ mean lengths (`EtaEstimator._within`) — not as if the span's prompts were alik
 bucket that holds prompts from 1,300 to 3,300 tokens read their cost per token² high — and the work
 left's is estimated in the same units (`EtaEstimator._sq_left_range`): on length-sorted data from its
 mean and the current length; on unsorted data (buckets in random order, shuffled) between spread as
-within the spans seen and as spread as the spans seen so far. Its bounds widen the band.
+within the spans seen and as spread as the spans seen so far. Its bounds widen the band, each
+taken with every curvature the spans allow (below).
 
 Where the spans cannot tell the cost's curvature — two or three length levels seen, as at a quarter of
 data sorted into length buckets, which a line and a parabola fit alike — the estimate is the geometric
@@ -217,10 +218,12 @@ class EtaEstimator:
         if sq_range is not None and answer:  # past a quarter: the bounds of what is not known
             k2n = tokens_left * tokens_left / samples_left  # Σtokens² left: all prompts alike …
             sq_range = (min(sq_range[0], k2n), sq_range[1], max(sq_range[2], self.SPREAD_BOUND * k2n))  # … to CV 1
-        if sq_range is not None:  # the estimate of Σtokens² left is a guess: its bounds widen the band
+        if sq_range is not None:  # the estimate of Σtokens² left is a guess: its bounds widen the band, with
+            # every fit the spans cannot tell apart at each (the curvature unknown and the prompts left unknown)
             for q in (sq_range[0], sq_range[2]):
-                spread += [self.short.predict(samples=samples_left, tokens=tokens_left, tokens_sq=q) or eta,
-                           self.long.predict(samples=samples_left, tokens=tokens_left, tokens_sq=q) or eta]
+                for m in (self.short, self.long):
+                    spread += [m.predict(samples=samples_left, tokens=tokens_left, tokens_sq=q) or eta,
+                               *(m.predict_range(samples=samples_left, tokens=tokens_left, tokens_sq=q) or ())]
         # A fit extrapolated far past the longest prompts seen is a guess, and its standard error
         # (from the same fit) does not know it: seen only 700-token prompts, 3,000-token ones to come.
         ahead = (math.sqrt(tokens_sq_left / samples_left) if tokens_sq_left is not None
