@@ -54,8 +54,9 @@ class Scenario:
     validate_every: int = 0  # training: validation after every N steps (GPUs busy, no step, nothing written)
     validate_s: float = 180.0
     validate_load_s: float = 0.0  # ... whose first seconds load the validation set (a core busy, GPUs idle)
-    # training: the GPUs are read (busy at power while steps and validation run; during a checkpoint write
-    # rank 0 idles while ranks 1–7 wait at the next collective, NCCL's kernels spinning: 100 % at low power)
+    # training: the GPUs are read (busy at power while steps run; while rank 0 writes a checkpoint or
+    # validates, as pipeline/train does, ranks 1–7 wait at the next collective, NCCL's kernels spinning:
+    # 100 % at low power)
     train_gpus: bool = False
     # extraction: the server's answers arrive in bursts of this many samples (a continuous-batching server
     # finishing a batch of long prompts together); GPUs busy while a burst is pending, quiet for its last
@@ -199,10 +200,11 @@ def simulate(sc: Scenario) -> Trace:
             o["server"] = {"healthy": not (hang and t >= fault + 20),
                            "running_reqs": 32 if wedged else (1 if ((requesting and not stalled) or hang) else 0),
                            "queue_reqs": 0, "requests_total": int(i_done * 1.2 + k)}
-        if sc.stage == "train" and sc.train_gpus:
-            o["gpus"] = [({"util": 0.0, "power_w": 90.0} if g == 0 else {"util": 100.0, "power_w": 95.0})
-                         if kind == "checkpoint" else {"util": 0.0, "power_w": 90.0} if loading
-                         else {"util": 97.0, "power_w": sc.busy_power_w} for g in range(8)]
+        if sc.stage == "train" and sc.train_gpus:  # rank 0 writes the checkpoint or validates; the others wait
+            idle, busy, spin = {"util": 0.0, "power_w": 90.0}, {"util": 97.0, "power_w": sc.busy_power_w}, \
+                {"util": 100.0, "power_w": 95.0}
+            rank0 = idle if kind == "checkpoint" or loading else busy
+            o["gpus"] = [rank0 if g == 0 else spin if kind in ("checkpoint", "validate") else busy for g in range(8)]
             o["gpus"] = [{"index": g, "mem_used_mb": 60000, "power_limit_w": 700.0, **x} for g, x in enumerate(o["gpus"])]
         obs.append(o)
         if o["process"]["alive"] is False:

@@ -44,7 +44,7 @@ def test_no_false_alarm_with_the_shorter_floor(name, seed):
 
 @pytest.mark.parametrize(("name", "held_by"), [
     ("answer-bursts", "busy at 640 W 10s ago"),  # the GPUs went quiet as a burst's answers came back
-    ("validation-pauses", "CPU busy (100 % of a core)"),  # GPUs idle while the validation set loads
+    ("validation-pauses", "CPU busy (100 % of a core)"),  # rank 0 loads the validation set, ranks 1–7 spin
     ("checkpoint-write-end", "MB written in the last"),  # the write has ended, ranks 1–7 spin at the barrier
 ])
 def test_the_quiet_after_work_is_held_off_by_that_work(name, held_by):
