@@ -226,9 +226,9 @@ def standard_scenarios(samples: int = 3000) -> list[Scenario]:
         Scenario("giant-prefill-parse", samples=samples, giant_every=400, giant_s=330, parse_tail_s=20,
                  busy_power_w=640.0, seed=10),
         # issue 31's other transitions: answers in bursts of 256 (4–7 min apart), each ending with 20 s of
-        # GPUs quiet while the client parses; training with validation passes that start with
-        # loading the validation set for 90 s (a core busy, GPUs idle); training whose checkpoint writes end with
-        # 40 s in which nothing is written while ranks 1–7 spin at the next collective
+        # GPUs quiet while the client parses; training whose validation passes (rank 0) start with 90 s of
+        # loading the validation set (a core busy, its GPU idle); training whose checkpoint writes end with
+        # 40 s in which nothing is written. Ranks 1–7 spin at the next collective through both.
         Scenario("answer-bursts", samples=samples, burst=256, parse_tail_s=20, busy_power_w=640.0, seed=11),
         Scenario("validation-pauses", samples=samples, stage="train", overhead_s=0.8, per_token_s=0.0,
                  validate_every=500, validate_s=240, validate_load_s=90, train_gpus=True, seed=12),
