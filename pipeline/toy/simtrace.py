@@ -51,7 +51,7 @@ class Scenario:
     checkpoint_s: float = 300.0
     # ... whose last seconds write nothing (the file's fsync and rename, the ranks' barrier before the next step)
     checkpoint_quiet_s: float = 0.0
-    validate_every: int = 0  # training: validation after every N steps (GPUs busy, no step, nothing written)
+    validate_every: int = 0  # training: validation after every N steps (on rank 0; no step, nothing written)
     validate_s: float = 180.0
     validate_load_s: float = 0.0  # ... whose first seconds load the validation set (a core busy, GPUs idle)
     # training: the GPUs are read (busy at power while steps run; while rank 0 writes a checkpoint or
@@ -204,8 +204,9 @@ def simulate(sc: Scenario) -> Trace:
             idle, busy, spin = {"util": 0.0, "power_w": 90.0}, {"util": 97.0, "power_w": sc.busy_power_w}, \
                 {"util": 100.0, "power_w": 95.0}
             rank0 = idle if kind == "checkpoint" or loading else busy
-            o["gpus"] = [rank0 if g == 0 else spin if kind in ("checkpoint", "validate") else busy for g in range(8)]
-            o["gpus"] = [{"index": g, "mem_used_mb": 60000, "power_limit_w": 700.0, **x} for g, x in enumerate(o["gpus"])]
+            o["gpus"] = [{"index": g, "mem_used_mb": 60000, "power_limit_w": 700.0,
+                          **(rank0 if g == 0 else spin if kind in ("checkpoint", "validate") else busy)}
+                         for g in range(8)]
         obs.append(o)
         if o["process"]["alive"] is False:
             break
@@ -225,7 +226,7 @@ def standard_scenarios(samples: int = 3000) -> list[Scenario]:
         # issue 31: 4–7 min prefills at 640 W, then 20 s of the client parsing the answer, GPUs quiet
         Scenario("giant-prefill-parse", samples=samples, giant_every=400, giant_s=330, parse_tail_s=20,
                  busy_power_w=640.0, seed=10),
-        # issue 31's other transitions: answers in bursts of 256 (4–7 min apart), each ending with 20 s of
+        # issue 31's other transitions: answers in bursts of 256 (about 4.5 min apart), each ending with 20 s of
         # GPUs quiet while the client parses; training whose validation passes (rank 0) start with 90 s of
         # loading the validation set (a core busy, its GPU idle); training whose checkpoint writes end with
         # 40 s in which nothing is written. Ranks 1–7 spin at the next collective through both.
