@@ -146,6 +146,9 @@ def test_stop_escalates_and_reaches_grandchildren(make_workspace, cleanup):
     pgids = {s: ctl.store.latest_proc(s).pgid for s in ("server", "extract")}
     cleanup.extend(pgids.values())
     wait_for(lambda: len(group_alive(pgids["server"])) == 2, what="grandchild to fork")
+    # a SIGTERM that came before the fixture ignores it would end it at once (seen once, on a busy machine)
+    log = Path(ctl.store.latest_proc("extract").log)
+    wait_for(lambda: log.exists() and "ignoring SIGTERM" in log.read_text(), what="extract to ignore SIGTERM")
     ctl.close()
     t0 = time.monotonic()
     out = eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
