@@ -273,17 +273,15 @@ class EtaEstimator:
         # the reverse. Anything else (buckets in random order, shuffled data) is unordered.
         ordered = trend is None or (trend >= self.TREND_RANK and mean >= current) or (
             trend <= -self.TREND_RANK and mean <= current)
+        # the prompts left spread within a span as those seen did on average
         within = self._within_sums[0] / self._within_sums[1] if self._within_sums[1] > 0 else 0.0
+        base = floor * (1.0 + within)
         if not ordered:
-            # no order by length (buckets in random order, shuffled data): the prompts left spread within
-            # a span as those seen did, and about their mean as much as the spans seen so far spread
-            # about theirs, at most
-            base = floor * (1.0 + within)
+            # no order by length (buckets in random order, shuffled data): and about their mean as much as
+            # the spans seen so far spread about theirs, at most
             high = base * (1.0 + cv2)
             return floor, math.sqrt(base * high), high
-        # sorted (or in length buckets, which are shuffled inside): the prompts left spread within a span
-        # as those seen did, and over their lengths to come
-        base = floor * (1.0 + within)
+        # sorted (or in length buckets, which are shuffled inside): and over their lengths to come
         if mean < current:  # shorter prompts to come (sorted descending): no tail beyond
             return floor, base, base + spread
         return floor, base + spread, base + 2 * spread
