@@ -75,6 +75,8 @@ class Diagnoser:
         self._in_baseline = 0
         self.slow = False
         self.gpus_busy: tuple[float, str] | None = None  # (when, "GPUs 0–7 busy at 640 W"): the last such tick
+        self.disk_wait: tuple[float, int] | None = None  # (when, how many): the last tick a member waited on the disk
+        self.last_write_at: float | None = None  # the last tick whose bytes written grew
 
     # --- bookkeeping ----------------------------------------------------------
     def _note_gap(self, gap: float) -> None:
@@ -168,6 +170,10 @@ class Diagnoser:
                 signs.append(f"CPU busy ({cpu * 100:.0f} % of a core)")
             elif tick is not None and tick >= self.policy.cpu_busy_share:  # a burst the window's mean dilutes
                 signs.append(f"CPU busy in the last {fmt_s(b.t - self.points[-2].t)} ({tick * 100:.0f} % of a core)")
+        waiting = self._disk_waiting(t, since)
+        if waiting and waiting[1] <= self.policy.disk_wait_s:
+            quiet = f", nothing written for {fmt_s(waiting[1])}" if waiting[1] > 0 else ""
+            signs.append(f"{waiting[0]} process(es) waiting on the disk (uninterruptible I/O: an fsync, a flush){quiet}")
         if self.gpus_busy and self.gpus_busy[0] == t:
             signs.append(self.gpus_busy[1])
         elif self.gpus_busy and self.gpus_busy[0] >= since and t - self.gpus_busy[0] <= self.policy.recent_activity_s:
@@ -176,6 +182,13 @@ class Diagnoser:
         if running and (signs or not self._gpus_idle(obs)):
             signs.append(f"server healthy with {running} request(s) running")
         return signs
+
+    def _disk_waiting(self, t: float, since: float) -> tuple[int, float] | None:
+        """(processes, seconds with nothing written) where a member of the stage waited on the disk within
+        the last recent_activity_s since the last progress."""
+        if not self.disk_wait or self.disk_wait[0] < since or t - self.disk_wait[0] > self.policy.recent_activity_s:
+            return None
+        return self.disk_wait[1], t - max(self.last_write_at or since, since)
 
     @staticmethod
     def _cpu_share(a: _Point, b: _Point) -> float | None:
@@ -217,6 +230,10 @@ class Diagnoser:
             ev.append(f"GPUs {gpu_indices(hung)} pinned at 100 % at low power: a collective hang?")
         if (obs.get("process") or {}).get("zombie"):
             ev.append("the process is a zombie")
+        waiting = self._disk_waiting(t, since)
+        if waiting and waiting[1] > self.policy.disk_wait_s:
+            ev.append(f"{waiting[0]} process(es) waiting on the disk with nothing written for {fmt_s(waiting[1])}, "
+                      f"past the {fmt_s(self.policy.disk_wait_s)} a flush may take: a hung filesystem?")
         running = self._running_requests(obs)
         if running and self._gpus_idle(obs) and a and b:
             ev.append(f"{running} request(s) 'running' on a healthy server but none completed for {fmt_s(b.t - a.t)} "
@@ -233,6 +250,12 @@ class Diagnoser:
         written = num(files, "bytes")
         if written is None:
             written = num(process, "io_write_bytes")
+        if written is not None and self.points and self.points[-1].written is not None \
+                and written > self.points[-1].written:
+            self.last_write_at = t
+        waiting = num(process, "disk_wait")
+        if waiting:
+            self.disk_wait = (t, int(waiting))
         self.points.append(_Point(t, None, None, num(process, "cpu_s"), written))
         while self.points and self.points[0].t < t - max(self.policy.slow_window_s, self.policy.activity_window_s) - 60:
             self.points.popleft()

@@ -51,6 +51,9 @@ class Scenario:
     checkpoint_s: float = 300.0
     # ... whose last seconds write nothing (the file's fsync and rename, the ranks' barrier before the next step)
     checkpoint_quiet_s: float = 0.0
+    # ... during which rank 0 sleeps in the kernel on the file's fsync (a flush to a network filesystem), which
+    # the process probe reads as `process.disk_wait` (members in uninterruptible disk sleep)
+    quiet_in_fsync: bool = False
     validate_every: int = 0  # training: validation after every N steps (on rank 0; no step, nothing written)
     validate_s: float = 180.0
     validate_load_s: float = 0.0  # ... whose first seconds load the validation set (a core busy, GPUs idle)
@@ -67,7 +70,8 @@ class Scenario:
     stall_at_s: float | None = None
     # "server-hang": the server stops answering health checks; "server-wedged": health passes and the
     # requests stay "running" but none completes, GPUs idle (a stuck collective, a wedged scheduler);
-    # "client-deadlock": the client stops sending.
+    # "client-deadlock": the client stops sending; "filesystem-hang": the client blocks writing a file to a
+    # filesystem that stopped answering (in uninterruptible disk sleep from then on).
     stall_kind: str = "server-hang"
     crash_at_s: float | None = None
     exit0_at_fraction: float | None = None
@@ -176,13 +180,18 @@ def simulate(sc: Scenario) -> Trace:
         loading = kind == "validate" and 0 <= t - (ends[i_done] - sc.validate_s) < sc.validate_load_s
         cpu += 1.0 * sc.tick_s if loading else 0.0
         new_bytes = sum(lengths[j] for j in range(prev, i_done)) * LAYERS * HIDDEN * 2
-        if in_flight and sc.stage == "train" and kind != "validate" and ends[i_done] - t >= sc.checkpoint_quiet_s:
-            new_bytes += 2e8  # a checkpoint being written
+        flushing = False
+        if in_flight and sc.stage == "train" and kind != "validate":
+            if ends[i_done] - t >= sc.checkpoint_quiet_s:
+                new_bytes += 2e8  # a checkpoint being written
+            else:
+                flushing = kind == "checkpoint" and sc.quiet_in_fsync
         written += new_bytes
         failed = int(i_done * sc.fail_share)
         o = {"t": t0 + t, "stage": sc.stage,
              "process": {"alive": not (crashed or exited0 or finished), "cpu_s": round(cpu, 2),
-                         "exit_code": -9 if crashed else (0 if (exited0 or finished) else None)},
+                         "exit_code": -9 if crashed else (0 if (exited0 or finished) else None),
+                         "disk_wait": int(flushing or (stalled and sc.stall_kind == "filesystem-hang"))},
              "progress": {"done": i_done - failed, "failed": failed, "total": sc.samples,
                           "tokens_done": tok_done, "tokens_total": tokens_total, "unit": "samples",
                           "tokens_sq_done": sq_done if sc.with_sq else None,
@@ -235,9 +244,16 @@ def standard_scenarios(samples: int = 3000) -> list[Scenario]:
                  validate_every=500, validate_s=240, validate_load_s=90, train_gpus=True, seed=12),
         Scenario("checkpoint-write-end", samples=samples, stage="train", overhead_s=0.8, per_token_s=0.0,
                  checkpoint_every=500, checkpoint_s=200, checkpoint_quiet_s=40, train_gpus=True, seed=13),
+        # ... and whose checkpoint writes end with 100 s of fsync to a slow network filesystem (rank 0 in
+        # uninterruptible disk sleep): a minute or more of quiet at the first checkpoint, before any gap that
+        # long has been learned
+        Scenario("checkpoint-slow-flush", samples=samples, stage="train", overhead_s=0.8, per_token_s=0.0,
+                 checkpoint_every=500, checkpoint_s=200, checkpoint_quiet_s=100, quiet_in_fsync=True,
+                 train_gpus=True, seed=14),
         Scenario("server-hang", samples=samples, stall_at_s=1200, seed=5),
         Scenario("client-deadlock", samples=samples, stall_at_s=1200, stall_kind="client-deadlock", seed=6),
         Scenario("server-wedged", samples=samples, stall_at_s=1200, stall_kind="server-wedged", seed=9),
+        Scenario("filesystem-hang", samples=samples, stall_at_s=1200, stall_kind="filesystem-hang", seed=15),
         Scenario("client-crash", samples=samples, crash_at_s=1200, seed=7),
         Scenario("exit0-early", samples=samples, exit0_at_fraction=0.9, seed=8),
     ]

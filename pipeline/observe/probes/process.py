@@ -70,12 +70,15 @@ def read_process(row: dict | None, *, clock=time.time) -> Reading:
     value = {"alive": leader is not None or bool(members), "exit_code": None, "stop_requested": stop,
              "members": len(members), "zombie": False}
     cpu = io = 0.0
+    disk_wait = 0  # members in uninterruptible sleep: waiting on the disk (an fsync, a flush to a network filesystem)
     io_reason = None
     for p in members:
         try:
             with p.oneshot():
-                if p.pid == row.pid and p.status() == psutil.STATUS_ZOMBIE:
+                status = p.status()
+                if p.pid == row.pid and status == psutil.STATUS_ZOMBIE:
                     value["zombie"] = True
+                disk_wait += status == psutil.STATUS_DISK_SLEEP
                 t = p.cpu_times()
                 cpu += t.user + t.system
                 try:
@@ -86,4 +89,5 @@ def read_process(row: dict | None, *, clock=time.time) -> Reading:
             continue
     value["cpu_s"] = round(cpu, 3)
     value["io_write_bytes"] = None if io_reason else int(io)
+    value["disk_wait"] = disk_wait
     return known(value, clock=clock)

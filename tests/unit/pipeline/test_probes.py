@@ -272,6 +272,13 @@ def test_process_probe_over_real_group():
                "create_time": psutil.Process(child.pid).create_time(), "exit_code": None, "stop_requested": 0}
         r = read_process(StageProc.from_row(row))
         assert r.value["alive"] is True and r.value["members"] == 2 and r.value["cpu_s"] > 0
+        assert r.value["disk_wait"] == 0  # running and sleeping, neither in uninterruptible disk sleep
+        # a member in uninterruptible disk sleep (an fsync to a slow filesystem) is counted, which the
+        # diagnosis reads as work for a while (Policy.disk_wait_s)
+        real = psutil.Process.status
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(psutil.Process, "status", lambda p: psutil.STATUS_DISK_SLEEP if p.pid != child.pid else real(p))
+            assert read_process(StageProc.from_row(row)).value["disk_wait"] == 1
     finally:
         os.killpg(child.pid, 9)
         child.wait()

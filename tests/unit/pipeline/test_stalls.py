@@ -35,7 +35,7 @@ def test_requests_running_on_a_healthy_server_are_not_work_while_nothing_complet
 
 @pytest.mark.parametrize("name", ["giant-prompts", "checkpoint-pauses", "slow-disk", "healthy-idle-gpus",
                                   "sorted-lengths", "giant-prefill-parse", "answer-bursts", "validation-pauses",
-                                  "checkpoint-write-end"])
+                                  "checkpoint-write-end", "checkpoint-slow-flush"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_no_false_alarm_with_the_shorter_floor(name, seed):
     vs = verdicts(simulate(Scenario(**{**SCENARIOS[name].__dict__, "seed": seed})))
@@ -54,6 +54,36 @@ def test_the_quiet_after_work_is_held_off_by_that_work(name, held_by):
     vs = verdicts(simulate(SCENARIOS[name]))
     held = [v for v in vs if v.reasons and "but it is working" in v.reasons[0] and held_by in v.reasons[0]]
     assert held, name
+
+
+def test_a_slow_flush_after_the_first_checkpoint_is_waiting_on_the_disk_not_a_hang():
+    """100 s of fsync after the first checkpoint write (a network filesystem): nothing written, rank 0 idle,
+    ranks 1–7 spinning at the next collective — a collective hang by every other reading, and called
+    `stalled` for five ticks before the process probe read uninterruptible disk sleep (here: the same
+    trace with `disk_wait` dropped)."""
+    trace = simulate(SCENARIOS["checkpoint-slow-flush"])
+    vs = verdicts(trace)
+    assert not [v for v in vs if v.verdict in ("stalled", "dead")]
+    held = [v for v in vs if v.reasons and "but it is working: 1 process(es) waiting on the disk" in v.reasons[0]]
+    assert held and "MB written" not in held[0].reasons[0], held[:1]  # the disk wait alone holds it off
+    blind = Diagnoser(stage="train")
+    for o in trace.observations:
+        blind_v = blind.feed({**o, "process": {k: v for k, v in o["process"].items() if k != "disk_wait"}})
+        if blind_v.verdict == "stalled":
+            assert "collective hang?" in " ".join(blind_v.reasons)
+            break
+    else:
+        raise AssertionError("without the disk-wait reading the quiet reads as a hang; the scenario lost its point")
+
+
+def test_a_hung_filesystem_is_flagged_once_a_flush_would_have_ended():
+    """A client blocked writing to a filesystem that stopped answering waits on the disk like a slow flush;
+    past Policy.disk_wait_s with nothing written it is a stall, and the reason says where it waits."""
+    vs = verdicts(simulate(SCENARIOS["filesystem-hang"]))
+    stalled = next(v for v in vs if v.verdict == "stalled")
+    assert Policy().disk_wait_s <= stalled.t - stalled.last_progress_at <= Policy().disk_wait_s + 20
+    assert "a hung filesystem?" in " ".join(stalled.reasons), stalled.reasons
+    assert all(v.verdict in ("starting", "progressing") for v in vs if v.t < stalled.t)
 
 
 def test_a_giant_prompt_is_work_while_the_gpus_are_busy():
