@@ -86,6 +86,10 @@ class EtaEstimator:
     ANSWER_FROM_SHARE = 0.25
     TREND_RANK = 0.6  # |rank correlation| of the spans' lengths with time from which data count as sorted
     SPREAD_BOUND = 2.0  # Σtokens² · n / (Σtokens)² of the prompts left at most: a coefficient of variation of 1
+    # ... and where the spans' mean lengths differ far more (UNSEEN_RATIO×) than prompts within one do and in
+    # no order by length (buckets in random order), lengths not seen yet may be left: a CV² of 2. Chats with a
+    # share of long documents (the benchmark's two-mode mix) leave a CV² of 0.9–2.2 at a quarter of the way.
+    SPREAD_BOUND_UNSEEN, UNSEEN_RATIO = 3.0, 10.0
     MIN_LATENCY_SAMPLES = 50
     WITHIN_PAIRS = 15  # consecutive intervals whose mean lengths' differences give the spread within one
     CHI2_1_MEDIAN = 0.4549  # the median of χ² with one degree of freedom
@@ -120,6 +124,7 @@ class EtaEstimator:
         self._last_mean: tuple[float, float] | None = None  # the previous interval's (samples, mean length)
         self._pairs: deque[float] = deque(maxlen=self.WITHIN_PAIRS)
         self._within_sums = [0.0, 0.0]  # Σ samples·(within-span CV²), Σ samples: the run's average
+        self._unseen = False  # the work left may hold lengths not seen yet (`_sq_left_range`)
 
     def add(self, *, t: float, dt: float, samples: float, tokens: float | None, tokens_sq: float | None = None,
             latency: LatencyProfile | None = None) -> None:
@@ -217,7 +222,8 @@ class EtaEstimator:
         spread = [*short, *long]
         if sq_range is not None and answer:  # past a quarter: the bounds of what is not known
             k2n = tokens_left * tokens_left / samples_left  # Σtokens² left: all prompts alike …
-            sq_range = (min(sq_range[0], k2n), sq_range[1], max(sq_range[2], self.SPREAD_BOUND * k2n))  # … to CV 1
+            bound = self.SPREAD_BOUND_UNSEEN if self._unseen else self.SPREAD_BOUND  # … to CV 1 (or √2)
+            sq_range = (min(sq_range[0], k2n), sq_range[1], max(sq_range[2], bound * k2n))
         if sq_range is not None:  # the estimate of Σtokens² left is a guess: its bounds widen the band, with
             # every fit the spans cannot tell apart at each (the curvature unknown and the prompts left unknown)
             for q in (sq_range[0], sq_range[2]):
@@ -261,7 +267,9 @@ class EtaEstimator:
         sorted ascending comes within 5 % of the truth from 10 % to 75 % progress; shorter prompts to come
         (sorted descending): alike at best, spread as far as the current length at worst. On unsorted data
         (buckets in random order, shuffled) the prompts left spread about their mean at most as the spans
-        seen spread about theirs (fewer buckets left spread less), and the estimate is the centre between."""
+        seen spread about theirs (fewer buckets left spread less), and the estimate is the centre between.
+        Where the spans differ far beyond how prompts within one do (buckets, not shuffled prompts), lengths
+        not seen yet may be left, and past a quarter the band's top allows them (SPREAD_BOUND_UNSEEN)."""
         mean = k / n
         floor = k * k / n
         current = self.recent_length or mean
@@ -276,6 +284,8 @@ class EtaEstimator:
         # the prompts left spread within a span as those seen did on average
         within = self._within_sums[0] / self._within_sums[1] if self._within_sums[1] > 0 else 0.0
         base = floor * (1.0 + within)
+        samples = sum(c for c, _ in self.span_lengths)
+        self._unseen = not ordered and cv2 * samples / max(len(self.span_lengths), 1) > self.UNSEEN_RATIO * within
         if not ordered:
             # no order by length (buckets in random order, shuffled data): and about their mean as much as
             # the spans seen so far spread about theirs, at most

@@ -244,6 +244,17 @@ def test_the_band_holds_every_curvature_the_spans_allow_at_each_bound_of_the_wor
     assert errors["eagle3"][25] is not None and errors["band"][25] == 1.0, errors
 
 
+def test_the_band_allows_lengths_not_seen_yet_where_buckets_come_in_random_order():
+    """Buckets of a two-mode mix (chats, long documents) in random order, token counts only: at a quarter the
+    spans seen may all be chats while documents are left, a spread (CV² up to 2.2) beyond the CV² of 1 the
+    band's top allowed, and the band missed the truth at 25 and 50 % on this seed (2 or 3 of the benchmark's
+    5 seeds). Where the spans differ far beyond how prompts within one do, in no order, it allows a CV² of 2."""
+    sc = Scenario("eta", samples=6000, order="random-buckets", lengths="mixture", per_token2_s=1.5e-7,
+                  with_sq=False, with_latency=False, seed=3)
+    errors = eta_errors(simulate(sc))
+    assert errors["band"][25] == 1.0 and errors["band"][50] == 1.0, errors
+
+
 def test_eta_from_token_counts_alone_counts_how_prompts_differ_within_a_span():
     """A span's Σtokens², where the stage reports only token counts, is its intervals' tokens² / samples plus
     how much prompts differ within one interval (from consecutive intervals' mean lengths), not as if its
