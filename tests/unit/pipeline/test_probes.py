@@ -2,6 +2,7 @@
 
 import http.server
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -285,6 +286,35 @@ def test_process_probe_over_real_group():
     ended = read_process(StageProc.from_row({**row, "state": "exited", "exit_code": None, "signal": 9}))
     assert ended.value == {"alive": False, "exit_code": -9, "stop_requested": False}
     assert read_process(None).unknown == "stage not started"
+
+
+VFORK_PARENT = """#include <unistd.h>
+#include <sys/wait.h>
+int main(void) { pid_t p = vfork(); if (p == 0) { sleep(20); _exit(0); } int s; waitpid(p, &s, 0); return 0; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the stand-in")
+def test_process_probe_reads_a_real_uninterruptible_sleep(tmp_path):
+    """A real process in the kernel's uninterruptible sleep (`D` in ps) — the state of an fsync to a slow
+    filesystem — counted in `disk_wait`. The stand-in is a vfork parent, which the kernel holds in that state
+    until its child execs or exits: the one way to put a process there on demand without a slow disk."""
+    import psutil
+
+    (tmp_path / "vf.c").write_text(VFORK_PARENT)
+    subprocess.run(["cc", "-o", str(tmp_path / "vf"), str(tmp_path / "vf.c")], check=True, timeout=60)
+    child = subprocess.Popen([str(tmp_path / "vf")], start_new_session=True)
+    try:
+        row = {"id": 1, "stage": "train", "state": "running", "pid": child.pid, "pgid": child.pid,
+               "create_time": psutil.Process(child.pid).create_time(), "exit_code": None, "stop_requested": 0}
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_DISK_SLEEP and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = read_process(StageProc.from_row(row))
+        assert r.value["members"] == 2 and r.value["disk_wait"] == 1, r.value
+    finally:
+        os.killpg(child.pid, 9)
+        child.wait(timeout=10)
 
 
 def test_a_failed_stage_reports_the_last_line_of_its_log(tmp_path):
