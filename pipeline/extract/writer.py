@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
+from pipeline.durable import fsync_path
 from pipeline.fileperm import honour_umask
 from pipeline.layout import sample_path
 
@@ -108,12 +109,9 @@ def write_sample(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str
                 raise
             code = int(found.group(1))
             raise OSError(code, os.strerror(code)) from None
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)  # the rename too: the manifest will call this sample done
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -1,7 +1,9 @@
 """Checkpoints: weights as safetensors, plus optimizer, scheduler and per-rank RNG state.
 
 CKPT_DIR/checkpoints/step_N/ holds one checkpoint; CKPT_DIR/latest names the newest
-complete one and is replaced atomically only after every rank has written its part.
+complete one and is replaced atomically only after every rank has written its part and
+flushed it to the disk (a node that loses power right after must not resume from a
+`latest` that names files still in the page cache).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.durable import fsync_path
 from pipeline.errors import UserError
 from pipeline.fileperm import honour_umask
 
@@ -30,7 +33,8 @@ def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier, config,
     the run and the data it was trained on, in state.json); then `latest` moves."""
     d = step_dir(out, step)
     d.mkdir(parents=True, exist_ok=True)
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, d / f"rng_rank{rank}.pt")
+    written = [d / f"rng_rank{rank}.pt"]
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, written[0])
     if rank == 0:
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(d / "model.safetensors"))
@@ -38,11 +42,17 @@ def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier, config,
         torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, d / "optim.pt")
         (d / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=1))
         (d / "state.json").write_text(json.dumps({"step": step, **(origin or {})}))
+        written += [d / n for n in ("model.safetensors", "optim.pt", CONFIG_NAME, "state.json")]
+    for path in written:  # on the disk before `latest` may name them
+        fsync_path(path)
     barrier()
     if rank == 0:
+        fsync_path(d)
         tmp = out / ".latest.tmp"
         tmp.write_text(f"step_{step}\n")
+        fsync_path(tmp)
         os.replace(tmp, out / "latest")
+        fsync_path(out)
     barrier()
 
 

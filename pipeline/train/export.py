@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline.draft.capture import AUX_IDS_EAGLE_CONFIG
 from pipeline.draft.format import ARCH, NAMES
+from pipeline.durable import fsync_path
 from pipeline.errors import UserError
 from pipeline.fileperm import honour_umask
 
@@ -86,6 +87,8 @@ def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | No
         problems = check_export(tmp)
         if problems:
             raise UserError(f"export refused: SGLang would not load it: {'; '.join(problems)}")
+        for path in (tmp / "model.safetensors", tmp / "config.json", tmp):  # on the disk before it is the draft
+            fsync_path(path)
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -94,6 +97,7 @@ def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | No
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+        fsync_path(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -134,3 +134,39 @@ def test_verify_reads_without_torch_and_finds_each_fault(extraction_copy):
     assert problems[3] == f"{files[9].name}: unreadable (ValueError: no safetensors header (7 bytes))"
     assert problems[4].startswith(f"{files[11].name}: hidden_states (") and "expected (?, " in problems[4]
     assert problems[5] == f"{files[11].name}: token_ids differ from data line 12"
+
+
+def test_a_checkpoint_is_on_the_disk_before_latest_names_it_and_a_sample_before_the_manifest(tmp_path, monkeypatch):
+    """A node that loses power right after `latest` moves must not resume from files still in the page cache:
+    every file a rank wrote, and the step's directory, are fsync-ed before the rename; the rename itself
+    after. Likewise a sample file and its directory entry before write_sample returns (the manifest then
+    calls the sample done)."""
+    import pipeline.durable
+    from pipeline.train import checkpoint
+
+    events = []
+    real_fsync, real_replace = pipeline.durable.fsync_path, os.replace
+    monkeypatch.setattr(checkpoint, "fsync_path", lambda p: (events.append(("fsync", os.path.basename(p))),
+                                                              real_fsync(p)))
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))),
+                                                                real_replace(a, b)))
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    config = type("Config", (), {"to_dict": lambda self: {"hidden_size": 4}})()
+    checkpoint.save(tmp_path, step=7, model=model, opt=opt, sched=sched, rank=0, barrier=lambda: None, config=config)
+    assert checkpoint.latest_step(tmp_path) == 7
+    moved = events.index(("replace", "latest"))
+    before = {name for kind, name in events[:moved] if kind == "fsync"}
+    assert {"rng_rank0.pt", "model.safetensors", "optim.pt", checkpoint.CONFIG_NAME, "state.json", "step_7",
+            ".latest.tmp"} <= before, events
+    assert events[moved + 1:] == [("fsync", tmp_path.name)], events
+
+    import pipeline.extract.writer as writer
+
+    synced = []
+    monkeypatch.setattr(writer, "fsync_path", lambda p: (synced.append(os.path.basename(p)), real_fsync(p)))
+    out = tmp_path / "hs" / "hs_0.safetensors"
+    out.parent.mkdir()
+    write_sample(out, tensors_for(token_ids=[1, 2, 3], rows=np.ones((3, 8)), layers=4, dtype="bf16", topk=None), {})
+    assert synced == [".hs_0.safetensors.tmp", "hs"], synced
