@@ -36,7 +36,8 @@ taken with every curvature the spans allow (below).
 Where the spans cannot tell the cost's curvature — two or three length levels seen, as at a quarter of
 data sorted into length buckets, which a line and a parabola fit alike — the estimate is the geometric
 centre of the non-negative fits they cannot tell from the best (`CostModel.predict_range`), and the band
-spans them: "4–7 h" rather than whichever extrapolation the noise favours.
+spans them: "4–7 h" rather than whichever extrapolation the noise favours. On token counts alone the spans'
+Σtokens² are estimates, and "cannot tell" is judged with a wider tolerance (`PROFILE_KAPPA_ESTIMATED`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from pipeline.observe.costfit import CostModel
+from pipeline.observe.costfit import PROFILE_KAPPA_ESTIMATED, CostModel
 from pipeline.observe.latency import LatencyProfile, LatencyShape
 from pipeline.verdict import fmt_s
 
@@ -154,6 +155,7 @@ class EtaEstimator:
             if q is None and k is not None:  # Σtokens² not reported: its intervals' with their spread
                 q = o[3]
                 self.sq_proxy = True
+                self.short.profile_kappa = self.long.profile_kappa = PROFILE_KAPPA_ESTIMATED
                 if k > 0:
                     self._within_sums[0] += o[1] * max(q * o[1] / (k * k) - 1.0, 0.0)
                     self._within_sums[1] += o[1]

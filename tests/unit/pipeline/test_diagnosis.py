@@ -217,7 +217,7 @@ def test_eta_from_token_counts_alone_is_given_from_a_quarter_with_its_band(order
     seed, and its band holds the truth. On ascending buckets two length levels are seen at 25 %, which a
     line and a parabola fit alike: the estimate is the centre of the fits the spans cannot tell apart
     (it was the noise's pick, 7–48 % off, before), which comes close only where the truth sits near the
-    middle of that range: the benchmark's milder and stronger curvatures are 26–42 % off there. On buckets
+    middle of that range: the benchmark's milder and stronger curvatures are 25–43 % off there. On buckets
     in random order the Σtokens² of the work left is the larger unknown; its estimate is the centre between
     as spread as within the spans seen and as spread as the spans seen (issue 31 stays open for its
     accuracy: see bench/RESULTS.md)."""
@@ -229,8 +229,9 @@ def test_eta_from_token_counts_alone_is_given_from_a_quarter_with_its_band(order
             assert errors["eagle3"][cp] is not None, (order, seed, cp)
         for cp in (25, 50, 75) if order == "bucketed" else (50, 75):
             assert errors["band"][cp] == 1.0, (order, seed, cp, errors)
-        if order == "bucketed":  # 2 and 16 % on these seeds (the benchmark's 5 seeds of 18,000: 5–16 %)
-            assert errors["eagle3"][25] <= 0.2, (seed, errors["eagle3"])
+        if order == "bucketed":  # issue 31's 15 % at a quarter: 0.2 and 11 % on these seeds (2 and 16 % while the
+            # tolerance for fits the spans cannot tell apart took their estimated Σtokens² as exact)
+            assert errors["eagle3"][25] <= 0.15, (seed, errors["eagle3"])
 
 
 def test_the_band_holds_every_curvature_the_spans_allow_at_each_bound_of_the_work_left():
