@@ -59,8 +59,9 @@ class Policy:
     # the activity window's average dilutes). Short enough that a wedged server (GPUs idle since its
     # last progress) is still flagged at the stall floor.
     recent_activity_s: float = 30.0
-    # A process in uninterruptible disk wait (an fsync, a flush to a network filesystem: the quiet after a
-    # checkpoint write) is working for at most this long with nothing written; past it, a hung filesystem.
+    # A process in uninterruptible sleep after writing (an fsync, a flush to a network filesystem: the quiet
+    # after a checkpoint write) is working for at most this long with nothing written; past it, a hung
+    # filesystem. Without a write since the last progress that sleep is no sign of work (a stuck driver).
     disk_wait_s: float = 300.0
 
 

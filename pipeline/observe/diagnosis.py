@@ -171,9 +171,10 @@ class Diagnoser:
             elif tick is not None and tick >= self.policy.cpu_busy_share:  # a burst the window's mean dilutes
                 signs.append(f"CPU busy in the last {fmt_s(b.t - self.points[-2].t)} ({tick * 100:.0f} % of a core)")
         waiting = self._disk_waiting(t, since)
-        if waiting and waiting[1] <= self.policy.disk_wait_s:
+        if waiting and waiting[2] and waiting[1] <= self.policy.disk_wait_s:
             quiet = f", nothing written for {fmt_s(waiting[1])}" if waiting[1] > 0 else ""
-            signs.append(f"{waiting[0]} process(es) waiting on the disk (uninterruptible I/O: an fsync, a flush){quiet}")
+            signs.append(f"{waiting[0]} process(es) waiting on the disk (uninterruptible sleep after writing: an "
+                         f"fsync, a flush){quiet}")
         if self.gpus_busy and self.gpus_busy[0] == t:
             signs.append(self.gpus_busy[1])
         elif self.gpus_busy and self.gpus_busy[0] >= since and t - self.gpus_busy[0] <= self.policy.recent_activity_s:
@@ -183,12 +184,15 @@ class Diagnoser:
             signs.append(f"server healthy with {running} request(s) running")
         return signs
 
-    def _disk_waiting(self, t: float, since: float) -> tuple[int, float] | None:
-        """(processes, seconds with nothing written) where a member of the stage waited on the disk within
-        the last recent_activity_s since the last progress."""
+    def _disk_waiting(self, t: float, since: float) -> tuple[int, float, bool] | None:
+        """(processes, seconds with nothing written, whether it wrote since the last progress) where a member
+        of the stage was in uninterruptible sleep within the last recent_activity_s since the last progress.
+        Only after a write is that a flush (an fsync of a checkpoint just written); without one it may as well
+        be a process stuck in a driver (a GPU fallen off the bus leaves its processes in that state)."""
         if not self.disk_wait or self.disk_wait[0] < since or t - self.disk_wait[0] > self.policy.recent_activity_s:
             return None
-        return self.disk_wait[1], t - max(self.last_write_at or since, since)
+        wrote = self.last_write_at is not None and self.last_write_at > since
+        return self.disk_wait[1], t - (self.last_write_at if wrote else since), wrote
 
     @staticmethod
     def _cpu_share(a: _Point, b: _Point) -> float | None:
@@ -225,15 +229,18 @@ class Diagnoser:
                 ev.append(f"nothing written for {fmt_s(b.t - a.t)}")
         if self.unhealthy_since is not None:
             ev.append(f"server health failing for {fmt_s(t - self.unhealthy_since)}")
+        waiting = self._disk_waiting(t, since)
+        if waiting and waiting[2] and waiting[1] > self.policy.disk_wait_s:
+            ev.append(f"{waiting[0]} process(es) waiting on the disk with nothing written for {fmt_s(waiting[1])}, "
+                      f"past the {fmt_s(self.policy.disk_wait_s)} a flush may take: a hung filesystem?")
+        elif waiting and not waiting[2]:
+            ev.append(f"{waiting[0]} process(es) in uninterruptible sleep with nothing written since the last "
+                      f"progress: a hung filesystem, or a driver (a GPU fallen off the bus)?")
         hung = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_pinned_low_power(g)]
         if hung:
             ev.append(f"GPUs {gpu_indices(hung)} pinned at 100 % at low power: a collective hang?")
         if (obs.get("process") or {}).get("zombie"):
             ev.append("the process is a zombie")
-        waiting = self._disk_waiting(t, since)
-        if waiting and waiting[1] > self.policy.disk_wait_s:
-            ev.append(f"{waiting[0]} process(es) waiting on the disk with nothing written for {fmt_s(waiting[1])}, "
-                      f"past the {fmt_s(self.policy.disk_wait_s)} a flush may take: a hung filesystem?")
         running = self._running_requests(obs)
         if running and self._gpus_idle(obs) and a and b:
             ev.append(f"{running} request(s) 'running' on a healthy server but none completed for {fmt_s(b.t - a.t)} "
