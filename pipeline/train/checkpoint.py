@@ -47,7 +47,8 @@ def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier, config,
         fsync_path(path)
     barrier()
     if rank == 0:
-        fsync_path(d)
+        fsync_path(d)  # the files' entries, and the step's own in checkpoints/
+        fsync_path(d.parent)
         tmp = out / ".latest.tmp"
         tmp.write_text(f"step_{step}\n")
         fsync_path(tmp)

@@ -159,7 +159,7 @@ def test_a_checkpoint_is_on_the_disk_before_latest_names_it_and_a_sample_before_
     moved = events.index(("replace", "latest"))
     before = {name for kind, name in events[:moved] if kind == "fsync"}
     assert {"rng_rank0.pt", "model.safetensors", "optim.pt", checkpoint.CONFIG_NAME, "state.json", "step_7",
-            ".latest.tmp"} <= before, events
+            "checkpoints", ".latest.tmp"} <= before, events
     assert events[moved + 1:] == [("fsync", tmp_path.name)], events
 
     import pipeline.extract.writer as writer
