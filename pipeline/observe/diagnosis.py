@@ -77,6 +77,7 @@ class Diagnoser:
         self.gpus_busy: tuple[float, str] | None = None  # (when, "GPUs 0–7 busy at 640 W"): the last such tick
         self.disk_wait: tuple[float, int] | None = None  # (when, how many): the last tick a member waited on the disk
         self.last_write_at: float | None = None  # the last tick whose bytes written grew
+        self.gpus_read = False  # NVML answered at some tick of this stage
 
     # --- bookkeeping ----------------------------------------------------------
     def _note_gap(self, gap: float) -> None:
@@ -201,6 +202,7 @@ class Diagnoser:
         return (b.cpu_s - a.cpu_s) / (b.t - a.t)
 
     def _track_gpus(self, t: float, obs: dict) -> None:
+        self.gpus_read = self.gpus_read or bool(obs.get("gpus"))
         busy = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_busy_at_power(g)]
         if busy:
             self.gpus_busy = (t, f"GPUs {gpu_indices(busy)} busy at {max(num(g, 'power_w') or 0 for g in busy):.0f} W")
@@ -236,6 +238,9 @@ class Diagnoser:
         elif waiting and not waiting[2]:
             ev.append(f"{waiting[0]} process(es) in uninterruptible sleep with nothing written since the last "
                       f"progress: a hung filesystem, or a driver (a GPU fallen off the bus)?")
+        lost = (obs.get("unknown") or {}).get("gpus")
+        if lost and self.gpus_read:
+            ev.append(f"the GPUs were read earlier and cannot be now ({lost}): a GPU fallen off the bus, a driver fault?")
         hung = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_pinned_low_power(g)]
         if hung:
             ev.append(f"GPUs {gpu_indices(hung)} pinned at 100 % at low power: a collective hang?")

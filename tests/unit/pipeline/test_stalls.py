@@ -88,6 +88,25 @@ def test_uninterruptible_sleep_without_a_write_is_no_sign_of_work():
     assert all(v.verdict in ("starting", "progressing") for v in vs if v.t < stalled.t)
 
 
+def test_gpus_that_could_be_read_and_cannot_now_are_named_in_the_stall():
+    """A GPU that falls off the bus fails every NVML read (the probe's reading is unknown, with NVML's words);
+    a stall then says so, where the GPUs had been read before (not on a host without NVML)."""
+    import copy
+
+    obs = copy.deepcopy(simulate(SCENARIOS["client-deadlock"]).observations)
+    for o in obs:
+        if o["t"] - obs[0]["t"] >= 1200:
+            o.pop("gpus")
+            o["unknown"] = {"gpus": "NVML read failed: GPU is lost"}
+    d = Diagnoser(stage="extract")
+    stalled = next(v for v in (d.feed(o) for o in obs) if v.verdict == "stalled")
+    assert "the GPUs were read earlier and cannot be now (NVML read failed: GPU is lost)" in " ".join(stalled.reasons)
+    d = Diagnoser(stage="extract")
+    never = [d.feed({**{k: v for k, v in o.items() if k != "gpus"}, "unknown": {"gpus": "NVML not available"}})
+             for o in obs]
+    assert not any("were read earlier" in " ".join(v.reasons) for v in never)
+
+
 def test_a_flush_that_never_ends_is_a_hung_filesystem_once_a_flush_would_have_ended():
     """After a write, uninterruptible sleep is a flush for up to Policy.disk_wait_s with nothing written;
     a checkpoint's fsync that goes on past it is a stall, and the reason says where it waits."""
