@@ -310,6 +310,8 @@ def test_process_probe_reads_a_real_uninterruptible_sleep(tmp_path):
         deadline = time.monotonic() + 10
         while psutil.Process(child.pid).status() != psutil.STATUS_DISK_SLEEP and time.monotonic() < deadline:
             time.sleep(0.05)
+        if psutil.Process(child.pid).status() != psutil.STATUS_DISK_SLEEP:
+            pytest.skip("this kernel does not show a vfork parent in uninterruptible sleep")
         r = read_process(StageProc.from_row(row))
         assert r.value["members"] == 2 and r.value["disk_wait"] == 1, r.value
     finally:
