@@ -2,7 +2,9 @@
 
 Table `samples`: idx INTEGER PRIMARY KEY (the data line, from 0), id, status
 ('done' | 'failed'), tokens, bytes, attempts, error, finished_at (unix seconds), latency_s (the
-successful request's own seconds, send to last byte; added by issue 14, NULL in older manifests).
+successful request's own seconds, send to last byte; NULL in older manifests), line_hash (the
+data line's content key, `pipeline/extract/dataset.line_key`; NULL in older manifests): a sample
+is this data's only while its line still reads the same (`Manifest.reconcile`).
 Table `meta`: key, value — dataset_sha256, samples_total, tokens_total, model,
 layers, hidden_size, layer_ids, layer_convention, final_layer,
 final_slot ("post-norm": the final layer as this project's server side returns it; "pre-norm":
@@ -13,13 +15,16 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MANIFEST_NAME = "manifest.sqlite"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
     idx INTEGER PRIMARY KEY, id TEXT, status TEXT NOT NULL CHECK (status IN ('done', 'failed')),
-    tokens INTEGER, bytes INTEGER, attempts INTEGER, error TEXT, finished_at REAL, latency_s REAL
+    tokens INTEGER, bytes INTEGER, attempts INTEGER, error TEXT, finished_at REAL, latency_s REAL,
+    line_hash TEXT
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 """
@@ -134,6 +139,40 @@ def read_done(out_dir: Path) -> tuple[dict[str, str], list[int]]:
     return meta, done
 
 
+@dataclass
+class Reconciliation:
+    """What a manifest's recorded samples are to a (possibly other) version of the data: `Manifest.reconcile`."""
+
+    lines: int
+    kept: int = 0  # done samples whose line is unchanged, at the same line number
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (recorded index, the line's index now)
+    dropped: list[int] = field(default_factory=list)  # done samples of lines changed or gone (files deleted)
+    failed_dropped: list[int] = field(default_factory=list)  # failed rows of lines changed or gone
+    unmatched_legacy: int = 0  # of `dropped`: rows from before line hashes, of another version of the data
+    hashed_keys: dict[int, str] = field(default_factory=dict)  # older rows of this very data: their hash
+
+    @property
+    def usable(self) -> int:
+        """Done samples this data keeps."""
+        return self.kept + len(self.moves)
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.moves or self.dropped or self.failed_dropped or self.hashed_keys)
+
+    def describe(self) -> str:
+        """One sentence: what is kept, moved, dropped and left to do."""
+        parts = [f"{self.kept:,} kept (lines unchanged)"]
+        if self.moves:
+            parts.append(f"{len(self.moves):,} moved to their lines' new numbers")
+        if self.dropped:
+            legacy = (f", {self.unmatched_legacy:,} of them recorded before line hashes were kept and so not "
+                      "matchable" if self.unmatched_legacy else "")
+            parts.append(f"{len(self.dropped):,} dropped (their lines changed or left the data{legacy}; files "
+                         "deleted)")
+        return f"{', '.join(parts)}; {self.lines - self.usable:,} of {self.lines:,} lines to do"
+
+
 class Manifest:
     """The writer's side: one connection owned by the extraction client."""
 
@@ -152,8 +191,9 @@ class Manifest:
             self.conn.execute("PRAGMA synchronous = NORMAL")
         self.conn.executescript(SCHEMA)
         columns = {r[1] for r in self.conn.execute("PRAGMA table_info(samples)")}
-        if "latency_s" not in columns:  # a manifest from before issue 14: resumed, it keeps its rows
-            self.conn.execute("ALTER TABLE samples ADD COLUMN latency_s REAL")
+        for column, kind in (("latency_s", "REAL"), ("line_hash", "TEXT")):  # an older manifest keeps its rows
+            if column not in columns:
+                self.conn.execute(f"ALTER TABLE samples ADD COLUMN {column} {kind}")
 
     def meta(self) -> dict[str, str]:
         """All meta key/values."""
@@ -173,12 +213,81 @@ class Manifest:
         self.conn.executemany("DELETE FROM samples WHERE idx = ?", [(i,) for i in indices])
 
     def record(self, *, idx: int, sample_id: str | None, status: str, tokens: int | None, nbytes: int | None,
-               attempts: int, error: str | None, now: float, latency_s: float | None = None) -> None:
+               attempts: int, error: str | None, now: float, latency_s: float | None = None,
+               line_hash: str | None = None) -> None:
         """Record one sample's outcome (replacing an earlier attempt's row)."""
         self.conn.execute(
-            "INSERT OR REPLACE INTO samples (idx, id, status, tokens, bytes, attempts, error, finished_at, latency_s) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (idx, sample_id, status, tokens, nbytes, attempts, error, now, latency_s))
+            "INSERT OR REPLACE INTO samples (idx, id, status, tokens, bytes, attempts, error, finished_at, latency_s, "
+            "line_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (idx, sample_id, status, tokens, nbytes, attempts, error, now, latency_s, line_hash))
+
+    def reconcile(self, keys: Sequence[str], *, same_data: bool) -> Reconciliation:
+        """Match the recorded samples to the data's lines by content (`keys`: each line's `line_hash`).
+
+        A done sample stays where its line still reads the same; one whose line moved (lines inserted or
+        removed above it) moves with it; one whose line changed or left the data is dropped. Rows from before
+        line hashes were kept are this data's only when the whole file is the same (`same_data`), and then
+        get their hash. Nothing is changed here: `apply` does it."""
+        rows = self.conn.execute("SELECT idx, status, line_hash FROM samples").fetchall()
+        plan = Reconciliation(lines=len(keys))
+        in_place: set[int] = set()  # done samples at their line
+        failed_in_place: set[int] = set()
+        loose: dict[str, list[int]] = {}  # content key -> done rows not at their line
+        for idx, status, key in rows:
+            if key is None and same_data and idx < len(keys):
+                plan.hashed_keys[idx] = key = keys[idx]
+            fits = key is not None and idx < len(keys) and keys[idx] == key
+            if fits:
+                (in_place if status == "done" else failed_in_place).add(idx)
+                plan.kept += status == "done"
+            elif status == "done" and key is not None:
+                loose.setdefault(key, []).append(idx)
+            else:
+                (plan.dropped if status == "done" else plan.failed_dropped).append(idx)
+                plan.unmatched_legacy += key is None and status == "done"
+        for i, key in enumerate(keys):
+            if i not in in_place and loose.get(key):
+                plan.moves.append((loose[key].pop(), i))
+                if i in failed_in_place:  # a failed try of this line gives way to its done sample
+                    plan.failed_dropped.append(i)
+        plan.dropped += [j for left in loose.values() for j in left]
+        return plan
+
+    def apply(self, plan: Reconciliation, path_of: Callable[[int], Path]) -> None:
+        """Carry out a reconciliation: drop rows (and files) of lines no longer in the data, move the others'
+        files to their new line numbers. Rows go first, in one transaction, so a crash part-way leaves no row
+        naming a file of another line: a file that was on its way is extracted again."""
+        cols = ("id", "status", "tokens", "bytes", "attempts", "error", "finished_at", "latency_s", "line_hash")
+        moving = {j: dict(zip(cols, self.conn.execute(f"SELECT {', '.join(cols)} FROM samples WHERE idx = ?",
+                                                      (j,)).fetchone(), strict=True)) for j, _ in plan.moves}
+        gone = plan.dropped + plan.failed_dropped + [j for j, _ in plan.moves]
+        with self.conn:
+            self.conn.execute("BEGIN")
+            self.conn.executemany("DELETE FROM samples WHERE idx = ?", [(j,) for j in gone])
+            self.conn.executemany("UPDATE samples SET line_hash = ? WHERE idx = ?",
+                                  [(k, i) for i, k in plan.hashed_keys.items()])
+        for j in plan.dropped:
+            Path(path_of(j)).unlink(missing_ok=True)
+        for left in Path(path_of(0)).parent.glob(".*.move.tmp"):  # an earlier apply cut short: not counted
+            left.unlink(missing_ok=True)
+        staged = {}
+        for j, _ in plan.moves:  # through temp names first: a move may land where another starts
+            src = Path(path_of(j))
+            if src.exists():  # a row without its file is simply extracted again
+                staged[j] = src.with_name(f".{src.name}.move.tmp")
+                src.replace(staged[j])
+        for j, i in plan.moves:
+            if j in staged:
+                staged[j].replace(path_of(i))
+        with self.conn:
+            self.conn.execute("BEGIN")
+            for j, i in plan.moves:
+                if j not in staged:
+                    continue
+                r = moving[j]
+                self.record(idx=i, sample_id=r["id"], status=r["status"], tokens=r["tokens"], nbytes=r["bytes"],
+                            attempts=r["attempts"], error=r["error"], now=r["finished_at"], latency_s=r["latency_s"],
+                            line_hash=r["line_hash"])
 
     def close(self) -> None:
         """Close the connection."""

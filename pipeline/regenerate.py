@@ -141,9 +141,17 @@ class Regenerator:
         lines_dir(o.out).mkdir(parents=True, exist_ok=True)
         manifest = Manifest(parts)
         meta = manifest.meta()
-        if meta.get("dataset_sha256") not in (None, data.sha256) and not o.force:
+        same = meta.get("dataset_sha256") in (None, data.sha256)
+        matched = manifest.reconcile(data.keys, same_data=same)
+        if not same and not o.force:
             manifest.close()
-            raise UserError(f"{parts}: holds a regeneration of another dataset; use another --out, or --force")
+            raise UserError(f"{parts}: holds a regeneration of another dataset. --force would continue into it by "
+                            f"content: {matched.describe()}. Or use another --out")
+        if matched.changes:
+            if not same:
+                self.say(f"--force: {parts} held another version of this data; by each line's content: "
+                         f"{matched.describe()}")
+            manifest.apply(matched, lambda i: lines_dir(o.out) / f"{i}.json")
         manifest.set_meta({"dataset_sha256": data.sha256, "samples_total": len(data), "tokens_total": data.tokens_total,
                            "tokens_sq_total": sum(n * n for n in data.tokens), "data_path": str(o.data.resolve()),
                            "stage": "regenerate", "max_new_tokens": o.max_new_tokens, "temperature": o.temperature})
@@ -178,7 +186,7 @@ class Regenerator:
                         if idx is None:
                             break
                         if idx in data.errors:
-                            self._record(manifest, idx, None, "failed", 0, data.errors[idx], 0.0)
+                            self._record(manifest, idx, None, "failed", 0, data.errors[idx], 0.0, data.keys[idx])
                             count["failed"] += 1
                             continue
                         ids, sid, mask = data.read_sample(fh, idx)
@@ -191,11 +199,11 @@ class Regenerator:
                         try:
                             line = fut.result()
                         except TurnError as exc:
-                            self._record(manifest, idx, sid, "failed", n, str(exc), time.time() - t0)
+                            self._record(manifest, idx, sid, "failed", n, str(exc), time.time() - t0, data.keys[idx])
                             count["failed"] += 1
                             continue
                         self._write_line(idx, {"id": sid if sid is not None else f"line-{idx}", **line})
-                        self._record(manifest, idx, sid, "done", n, None, time.time() - t0)
+                        self._record(manifest, idx, sid, "done", n, None, time.time() - t0, data.keys[idx])
                         count["done"] += 1
                     if time.monotonic() - last >= PROGRESS_EVERY_S:
                         last = time.monotonic()
@@ -221,9 +229,9 @@ class Regenerator:
         os.replace(tmp, path)
 
     @staticmethod
-    def _record(manifest, idx, sid, status, tokens, error, latency) -> None:
+    def _record(manifest, idx, sid, status, tokens, error, latency, key) -> None:
         manifest.record(idx=idx, sample_id=sid, status=status, tokens=tokens, nbytes=None, attempts=1, error=error,
-                        now=time.time(), latency_s=latency if status == "done" else None)
+                        now=time.time(), latency_s=latency if status == "done" else None, line_hash=key)
 
     def _finish(self, data) -> int:
         """Write OUT in input order once every sample has a row (exit 0; the failed ones are named in the manifest

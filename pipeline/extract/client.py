@@ -155,10 +155,18 @@ class Extractor:
             self.say(f"warning: {w}")
         manifest = Manifest(self.o.out)
         meta = manifest.meta()
-        if meta.get("dataset_sha256") not in (None, data.sha256) and not self.o.force:
+        same = meta.get("dataset_sha256") in (None, data.sha256)
+        matched = manifest.reconcile(data.keys, same_data=same)
+        if not same and not self.o.force:
             manifest.close()
             raise UserError(f"{self.o.out}: holds extraction of a different dataset (hash {meta['dataset_sha256'][:12]}…, "
-                            f"this one {data.sha256[:12]}…); use another --out, or --force to continue into it")
+                            f"this one {data.sha256[:12]}…). --force would continue into it by content: "
+                            f"{matched.describe()}. Or use another --out")
+        if matched.changes:
+            if not same:
+                self.say(f"--force: {self.o.out} held another version of this data; by each line's content: "
+                         f"{matched.describe()}")
+            manifest.apply(matched, lambda i: sample_path(self.o.out, i))
         (self.o.out / "hidden_states").mkdir(parents=True, exist_ok=True)
         removed = remove_temp_files(self.o.out / "hidden_states")
         if removed:
@@ -484,7 +492,8 @@ class Extractor:
         try:
             self.work.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
                                  attempts=job.attempts, error=None if error is None else error[:500],
-                                 now=time.time(), latency_s=job.latency_s if status == "done" else None)
+                                 now=time.time(), latency_s=job.latency_s if status == "done" else None,
+                                 line_hash=self.work.data.keys[job.idx])
         except sqlite3.Error as exc:
             if status == "done":  # a file the manifest cannot count must not stay to be mistaken for one
                 sample_path(self.o.out, job.idx).unlink(missing_ok=True)

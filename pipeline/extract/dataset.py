@@ -25,6 +25,7 @@ class Dataset:
     offsets: array  # byte offset of each line
     tokens: array  # token count of each line (0 when the line is malformed)
     errors: dict[int, str]  # line index -> reason it is malformed
+    keys: LineKeys  # each line's content key (`line_key`)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -41,6 +42,36 @@ class Dataset:
         """(input_ids, id, loss_mask or None) of line `idx`."""
         fh.seek(self.offsets[idx])
         return parse_sample(fh.readline())
+
+
+KEY_BYTES = 16
+
+
+def line_key(raw: bytes) -> bytes:
+    """A line's content key: BLAKE2b-128 of its bytes without the line end. The extraction and the regeneration
+    record it with each sample, so a sample stays this data's only while its line reads the same."""
+    return hashlib.blake2b(raw.rstrip(b"\r\n"), digest_size=KEY_BYTES).digest()
+
+
+class LineKeys:
+    """Every line's key in one buffer (16 bytes a line, not a Python object each), read as hex strings."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def append(self, key: bytes) -> None:
+        self.buf += key
+
+    def __len__(self) -> int:
+        return len(self.buf) // KEY_BYTES
+
+    def __getitem__(self, idx: int) -> str:
+        if not 0 <= idx < len(self):
+            raise IndexError(idx)
+        return self.buf[idx * KEY_BYTES:(idx + 1) * KEY_BYTES].hex()
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def parse_line(raw: bytes) -> tuple[list[int], str | None]:
@@ -73,12 +104,13 @@ def parse_sample(raw: bytes) -> tuple[list[int], str | None, list[int] | None]:
 
 
 def scan(path: Path) -> Dataset:
-    """Read the whole file once: hash, offsets, token counts, malformed lines."""
-    digest, offsets, tokens, errors = hashlib.sha256(), array("q"), array("q"), {}
+    """Read the whole file once: hash, offsets, token counts, malformed lines, line keys."""
+    digest, offsets, tokens, errors, keys = hashlib.sha256(), array("q"), array("q"), {}, LineKeys()
     pos = 0
     with open(path, "rb") as fh:
         for idx, raw in enumerate(fh):
             digest.update(raw)
+            keys.append(line_key(raw))
             offsets.append(pos)
             pos += len(raw)
             try:
@@ -87,4 +119,4 @@ def scan(path: Path) -> Dataset:
             except ValueError as exc:
                 tokens.append(0)
                 errors[idx] = f"data line {idx + 1}: {exc}"
-    return Dataset(Path(path), digest.hexdigest(), offsets, tokens, errors)
+    return Dataset(Path(path), digest.hexdigest(), offsets, tokens, errors, keys)

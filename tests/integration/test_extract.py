@@ -387,3 +387,43 @@ def test_unexpected_worker_error_ends_the_run_instead_of_hanging(toy, tmp_path, 
                         parse_workers=0))
     assert time.monotonic() - t < 30
     assert manifest_rows(tmp_path / "out") == {}
+
+
+def test_force_into_an_edited_dataset_keeps_only_lines_that_read_the_same(toy, tmp_path):
+    """A partly edited dataset (a line removed, one changed, two added) in a used `--out`: without --force it is
+    refused, saying what --force would do; with it, every unchanged line's sample is kept (moved to the line's new
+    number where lines above it went), the changed and the new lines are extracted, and no file or row of the old
+    version is left: each sample's token ids are the new data's."""
+    data, out = tmp_path / "d.jsonl", tmp_path / "out"
+    old = write_dataset(data, 30, seed=21)
+    assert run_extract(toy.url, data, out).returncode == 0
+    lines = data.read_text().splitlines()
+    lines[10] = json.dumps({"id": "s10", "input_ids": [1, 2, 3, 4, 5]})  # changed in place
+    del lines[3]  # every line after it moves up one
+    lines += [json.dumps({"id": f"new{i}", "input_ids": [7] * (20 + i)}) for i in range(2)]
+    data.write_text("\n".join(lines) + "\n")
+    refused = run_extract(toy.url, data, out)
+    assert refused.returncode == 2 and "different dataset" in refused.stderr
+    assert "28 kept" not in refused.stderr and "--force would continue" in refused.stderr
+    assert "3 kept (lines unchanged), 25 moved" in refused.stderr, refused.stderr
+    res = run_extract(toy.url, data, out, "--force")
+    assert res.returncode == 0, res.stderr
+    assert "3 kept (lines unchanged), 25 moved to their lines' new numbers, 2 dropped" in res.stderr, res.stderr
+    assert "3 of 31 lines to do" in res.stderr
+    assert "resuming: 28 of 31 samples already done" in res.stderr
+    new = [json.loads(line)["input_ids"] for line in lines]
+    assert_complete(out, new)
+    assert new[9] == [1, 2, 3, 4, 5] and new[3] == old[4]
+
+
+def test_force_into_another_dataset_redoes_every_line(toy, tmp_path):
+    """A wholly different dataset with --force: nothing of the old one is counted, its extra files are gone."""
+    data, out = tmp_path / "d.jsonl", tmp_path / "out"
+    write_dataset(data, 12, seed=22)
+    assert run_extract(toy.url, data, out).returncode == 0
+    new = write_dataset(data, 8, seed=23)
+    res = run_extract(toy.url, data, out, "--force")
+    assert res.returncode == 0, res.stderr
+    assert "0 kept (lines unchanged), 12 dropped" in res.stderr and "8 of 8 lines to do" in res.stderr
+    assert "resuming" not in res.stderr
+    assert_complete(out, new)
