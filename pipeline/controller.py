@@ -114,7 +114,7 @@ class Controller:
 
     def _set_training_aside(self, *, by: str) -> Path | None:
         """`start train --fresh`: the earlier training's checkpoints, progress and draft go to
-        OUT/previous/<time>/ (never deleted), unless training is running."""
+        OUT/previous/<time>/ (bounded: outdir.trim_previous), unless training is running."""
         self.supervisor.refresh()
         proc = self.store.latest_proc("train")
         if proc and proc.state in MAYBE_ALIVE_STATES:

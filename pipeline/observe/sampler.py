@@ -156,8 +156,8 @@ class Sampler:
             obs[section] = reading.value
             if reading.unknown:
                 obs.setdefault("unknown", {})[section] = reading.unknown
-        if stage == "extract":
-            obs["disk"] = self._disk(obs)
+        if stage in ("extract", "train"):
+            obs["disk"] = self._disk(stage, obs)
         final = row.has_ended
         if final:
             self.finished[stage] = row.id
@@ -181,7 +181,9 @@ class Sampler:
         conditions = {
             "disk": disk.get("fits") is False and (
                 f"the run will not fit on disk: {fmt_bytes(disk['need_bytes'])} still to write, "
-                f"{fmt_bytes(disk['free_bytes'])} free"),
+                f"{fmt_bytes(disk['free_bytes'])} free"
+                + ("; training's kept checkpoints (--keep-last, the best by validation) and its draft: lower "
+                   "--keep-last or free space" if stage == "train" else "")),
             "train-error": stage == "train" and prog.get("error") and f"training reported: {prog['error']}",
         }
         for name, reason in conditions.items():
@@ -190,13 +192,19 @@ class Sampler:
                 self.store.put(key, True)
                 self.store.add_event(kind="condition-alert", run_id=row.run_id, stage=stage, data={"reason": reason})
 
-    def _disk(self, obs: dict) -> dict | None:
+    def _disk(self, stage: str, obs: dict) -> dict | None:
+        """Free space on the stage's output volume against what it will still write: the extraction's hidden
+        states for the tokens left; training's checkpoints to come (kept by --keep-last) and its draft, as the
+        trainer measured them at its last save."""
         prog = obs.get("progress") or {}
-        left = None
-        if prog.get("tokens_total") is not None and prog.get("tokens_done") is not None:
-            left = prog["tokens_total"] - prog["tokens_done"]
-        need = projected_need(tokens_left=left, layers=prog.get("layers"), hidden=prog.get("hidden_size"))
-        out = self.ws.resolve(self.ws.stage("extract").out)
+        if stage == "train":
+            need = prog.get("disk_need_bytes") if isinstance(prog.get("disk_need_bytes"), int) else None
+        else:
+            left = None
+            if prog.get("tokens_total") is not None and prog.get("tokens_done") is not None:
+                left = prog["tokens_total"] - prog["tokens_done"]
+            need = projected_need(tokens_left=left, layers=prog.get("layers"), hidden=prog.get("hidden_size"))
+        out = self.ws.resolve(self.ws.stage(stage).out)
         reading = read_disk(str(out) if out else None, need_bytes=need, clock=self.clock)
         if reading.unknown:
             obs.setdefault("unknown", {})["disk"] = reading.unknown

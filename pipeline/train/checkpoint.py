@@ -19,10 +19,11 @@ from safetensors.torch import load_file, save_file
 from pipeline.durable import fsync_path
 from pipeline.errors import UserError
 from pipeline.fileperm import honour_umask
+from pipeline.train.outdir import STEP_PREFIX, named_latest
 
 
 def step_dir(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step_{step}"
+    return out / "checkpoints" / f"{STEP_PREFIX}{step}"
 
 
 CONFIG_NAME = "draft_config.json"
@@ -50,7 +51,7 @@ def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier, config,
         fsync_path(d)  # the files' entries, and the step's own in checkpoints/
         fsync_path(d.parent)
         tmp = out / ".latest.tmp"
-        tmp.write_text(f"step_{step}\n")
+        tmp.write_text(f"{STEP_PREFIX}{step}\n")
         fsync_path(tmp)
         os.replace(tmp, out / "latest")
         fsync_path(out)
@@ -59,10 +60,7 @@ def save(out: Path, *, step: int, model, opt, sched, rank: int, barrier, config,
 
 def latest_step(out: Path) -> int | None:
     """The newest complete checkpoint's step, or None."""
-    try:
-        return int((out / "latest").read_text().strip().removeprefix("step_"))
-    except (OSError, ValueError):
-        return None
+    return named_latest(out)
 
 
 def read_config(d: Path) -> dict:

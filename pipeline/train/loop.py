@@ -43,7 +43,7 @@ from pipeline.train.model import (
     draft_vocab,
     frozen,
 )
-from pipeline.train.outdir import set_aside
+from pipeline.train.outdir import KEEP_LAST, KEEP_PREVIOUS, checkpoint_fit, prune, set_aside
 from pipeline.train.target import Target, load_target
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -113,7 +113,15 @@ def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) ->
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=0, help="validation every N steps (default: at the end)")
+    p.add_argument("--keep-last", type=int, default=KEEP_LAST,
+                   help=f"checkpoints kept besides the best by validation (default {KEEP_LAST}; 0 keeps every one); "
+                        "older ones are deleted after each save, the exported draft never")
+    p.add_argument("--keep-previous", type=int, default=KEEP_PREVIOUS,
+                   help=f"earlier trainings in OUT/previous/ that keep their last and best checkpoints (default "
+                        f"{KEEP_PREVIOUS}); every earlier training keeps its draft, progress and validation")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="validation every N steps (default: at the end); a validated step is checkpointed, so the best "
+                        "by validation can be kept")
     return p
 
 
@@ -372,7 +380,7 @@ def _resume_point(args, out: Path, d: Dist, model, opt, sched, cfg: DraftConfig,
             _truncate_progress(out, found)
             print(f"train: resumed from step {found} of {out} (pass --fresh to start over)", flush=True)
         return found
-    if d.rank == 0 and (moved := set_aside(out)) is not None:
+    if d.rank == 0 and (moved := set_aside(out, keep_previous=args.keep_previous)) is not None:
         print(f"train: {why or 'no checkpoint to resume'}: moved the earlier training's files to {moved}; "
               "starting at step 1", flush=True)
     d.barrier()
@@ -388,6 +396,8 @@ class Ctx:
     final_norm: RMSNorm | None
     cfg: DraftConfig
     origin: dict  # the run and the data, recorded in each checkpoint
+    disk_need: int | None = None  # bytes the checkpoints still to come will add at their peak (from the last save)
+    disk_warned: bool = False
 
 
 def train_step(ddp, model, opt, sched, feed, head: TargetHead, final_norm, *, ttt: int, grad_accum: int,
@@ -447,8 +457,8 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
                                                       max_grad_norm=args.max_grad_norm, device=d.device)
             tokens += n
             bad += skipped
-            saving = step % args.save_every == 0 or step == args.steps
             evaluating = bool(args.eval_every) and step % args.eval_every == 0
+            saving = step % args.save_every == 0 or step == args.steps or evaluating
             stopping = d.any(stop["flag"])
             if step % args.log_every == 0 or saving or evaluating or stopping:
                 mloss, ment, mtok = d.mean([loss_sum / args.grad_accum, ent_sum / args.grad_accum, tokens])
@@ -461,24 +471,23 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
                                      "lower --lr or check the data; the next start resumes from the last checkpoint")
                 _write(progress, {"step": step, "total_steps": args.steps, "loss": round(mloss, 6),
                                   "kl": round(mloss - ment, 6), "tokens_per_s": round(rate, 1),
-                                  "lr": float(f"{sched.get_last_lr()[0]:.6g}")})
+                                  "lr": float(f"{sched.get_last_lr()[0]:.6g}"),
+                                  **({"disk_need_bytes": ctx.disk_need} if ctx.disk_need is not None else {})})
             if evaluating and d.rank == 0:
                 _validation(out, step, model, corpus, ctx, args, d)
             if stopping:
-                checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
-                                config=ctx.cfg, origin=ctx.origin)
+                _save(out, step, model, opt, sched, ctx, args, d)
                 if d.rank == 0:
                     print(f"train: SIGTERM: checkpoint saved at step {step}; the next start resumes from it "
                           "(`eagle3 start train`, or the same command)", flush=True)
                 return 0
             if saving and step != args.steps:
-                checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank,
-                                barrier=d.barrier, config=ctx.cfg, origin=ctx.origin)
-        checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
-                        config=ctx.cfg, origin=ctx.origin)
+                _save(out, step, model, opt, sched, ctx, args, d)
+        _save(out, step, model, opt, sched, ctx, args, d)
         if d.rank == 0:
             if not (args.eval_every and step % args.eval_every == 0):  # not validated at this step already
                 _validation(out, step, model, corpus, ctx, args, d)
+                prune(out, keep_last=args.keep_last)  # the best by validation may have changed
             if bad:
                 print(f"train: {len(bad)} unreadable file(s) skipped (--skip-bad)", flush=True)
             _export(out, step, ctx)
@@ -487,6 +496,26 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
         del feed  # ends the loader's workers
         if progress:
             progress.close()
+
+
+def _save(out: Path, step: int, model, opt, sched, ctx: Ctx, args, d: Dist) -> None:
+    """A checkpoint at `step`; then (rank 0) the ones beyond --keep-last and the best by validation go, and the
+    disk the kept ones still need is checked once against the free space."""
+    checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
+                    config=ctx.cfg, origin=ctx.origin)
+    if d.rank != 0:
+        return
+    gone = prune(out, keep_last=args.keep_last)
+    if gone:
+        print(f"train: checkpoint at step {step} saved; deleted {len(gone)} older one(s) (steps "
+              f"{', '.join(map(str, gone))}): --keep-last {args.keep_last} and the best by validation are kept",
+              flush=True)
+    fit = checkpoint_fit(out, step=step, keep_last=args.keep_last, steps=args.steps, save_every=args.save_every,
+                         eval_every=args.eval_every)
+    ctx.disk_need = fit.need_bytes  # in the progress lines that follow: the service weighs it against free space
+    if fit.problem and not ctx.disk_warned:
+        ctx.disk_warned = True
+        print(f"train: warning: {fit.problem}", flush=True)
 
 
 def _validation(out: Path, step: int, model, corpus, ctx: Ctx, args, d: Dist) -> None:

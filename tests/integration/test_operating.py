@@ -86,6 +86,9 @@ def test_stop_start_crash_and_relaunch_resume_training_and_another_runs_is_set_a
     assert eagle3("stop", "train", "--grace", "60", "--config", str(cfg)).returncode == 0
     done = steps(ckpt)
     assert done == list(range(1, len(done) + 1)), "no step repeated or skipped across stop, start and the crash"
+    kept = sorted(int(p.name.removeprefix("step_")) for p in (ckpt / "checkpoints").iterdir())
+    assert len(kept) <= 3 and kept[-1] == saved_step(ckpt), f"--keep-last 3 (the default) bounds them: {kept}"
+    assert "deleted" in log_text(cfg) and "--keep-last 3" in log_text(cfg)
 
     # the next run (stop --all closed this one): this run's checkpoint is another run's, so the trainer
     # moves it whole to OUT/previous/<time>/ and starts at step 1 — never resuming another run's training
@@ -102,6 +105,8 @@ def test_stop_start_crash_and_relaunch_resume_training_and_another_runs_is_set_a
     assert steps(ckpt)[:2] == [1, 2]
     (aside,) = (ckpt / "previous").iterdir()
     assert steps(aside) == done and saved_step(aside) is not None
+    assert [p.name for p in (aside / "checkpoints").iterdir()] == [f"step_{saved_step(aside)}"], \
+        "an earlier training keeps its last checkpoint (it was never validated: no best besides)"
     # files another user must read honour the umask (safetensors alone would make them 0600)
     model = ckpt / "checkpoints" / "step_2" / "model.safetensors"
     assert model.stat().st_mode & 0o777 == 0o644

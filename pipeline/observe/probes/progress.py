@@ -63,7 +63,9 @@ def read_jsonl_progress(path: Path, fields: dict[str, str] | None = None, *, clo
             value = {"done": int(step), "failed": 0,
                      "total": int(total) if isinstance(total, (int, float)) and total > 0 else None, "unit": "steps",
                      "loss": float(loss) if isinstance(loss, (int, float)) else None, "kl": rec.get("kl"),
-                     "tokens_per_s": rec.get("tokens_per_s"), "lr": rec.get("lr"), "error": rec.get("error")}
+                     "tokens_per_s": rec.get("tokens_per_s"), "lr": rec.get("lr"), "error": rec.get("error"),
+                     # what the trainer's kept checkpoints and draft will still add (this trainer's own field)
+                     "disk_need_bytes": rec.get("disk_need_bytes")}
             if validation is not None:
                 value.update(_last_validation(validation))
             return known(value, clock=clock)
