@@ -133,6 +133,8 @@ def cmd_start(args) -> int:
         raise UserError(f"{args.stage} did not start: {proc.reason}; see `eagle3 logs {args.stage}`")
     if proc.set_aside:
         print(f"moved the earlier training's files to {proc.set_aside}")
+    if proc.reopened:
+        print(f"no run was open: training on run {proc.reopened}'s verified extraction (run {proc.reopened} reopened)")
     print(f"started {args.stage}: {proc.who}, run {proc.run_id}, log {proc.log}")
     if proc.state == StageState.QUEUED:
         print(f"{args.stage} is {proc.reason}")
@@ -280,11 +282,11 @@ def configure_logging(level: int) -> None:
 def cmd_diagnose(args) -> int:
     if args.replay:
         return _replay(args)
-    from handlers.render.views import verdict_line
+    from handlers.render.views import run_label, verdict_line
     with _controller(args) as ctl:
         status = ctl.status()
     for name, st in status.stages.items():
-        print(f"{name}: {st.state}" + ("\n" + verdict_line(name, st) if st.started else ""))
+        print(f"{name}{run_label(st, status.run)}: {st.state}" + ("\n" + verdict_line(name, st) if st.started else ""))
     return 0
 
 

@@ -12,6 +12,7 @@ from handlers.render.views import (
     autostart_text,
     eta_line,
     gpus_text,
+    run_label,
     server_holds_gpus_text,
     train_guard_text,
     verdict_line,
@@ -73,8 +74,10 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         return status_blocks(status, version=ctl.state_version())
     if verb in ("stuck", "eta"):
         started = status.started()
-        lines = ([eta_line(n, st, slack=True) for n, st in started.items()] if verb == "eta" else
-                 [f"*{n}*: {st.state}\n{verdict_line(n, st, slack=True)}" for n, st in started.items()])
+        lines = ([eta_line(n, st, slack=True) + run_label(st, status.run) for n, st in started.items()]
+                 if verb == "eta" else
+                 [f"*{n}*{run_label(st, status.run)}: {st.state}\n{verdict_line(n, st, slack=True)}"
+                  for n, st in started.items()])
         text = "\n".join(lines) or "Nothing has been started."
         return text, text_blocks(text)
     if verb == "gpus":
@@ -106,7 +109,9 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
                     else server_holds_gpus_text(exc, cmd=SLASH))
             _, blocks = status_blocks(status, version=ctl.state_version())
             return text, text_blocks(text) + blocks[-1:]
-        text = f"training started ({ctl.owner(proc)})"
+        text = f"training started ({ctl.owner(proc)})" + (
+            f"; no run was open: it trains on run {proc.reopened}'s verified extraction (reopened)"
+            if proc.reopened else "")
         return text, text_blocks(text)
     if verb.startswith("autostart"):
         on = verb.endswith("on")

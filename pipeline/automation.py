@@ -35,7 +35,8 @@ class Automation:
         the handoff's max_failed_share, OUT written whole). The server stays up across the two; only the
         handoff to training stops it. Exactly once: the launch is recorded before it is made, and any
         extraction of this run (started by hand too) ends it."""
-        cfg, run = self.ws.stage("regenerate"), self.store.current_run()
+        run = self.store.current_run()
+        cfg = self.ws.for_run(run).stage("regenerate")
         state = handoff_state(self.store)
         if not cfg.argv or not cfg.out or run is None or not state or state.get("step") not in (ARMED, WAITING):
             return
@@ -75,6 +76,11 @@ class Automation:
             if not (vanished or failed):
                 continue
             count = proc.restart_count or 0
+            if failed and proc.exit_code in cfg.final_exit_codes:
+                self._give_up(proc, f"{stage} exited {proc.exit_code} ({proc.reason}): a usage, configuration or "
+                                    f"input error that no restart fixes, so it is not restarted; see `eagle3 logs "
+                                    f"{stage}`, fix the cause, then `eagle3 start {stage}`")
+                continue
             if count >= cfg.max_restarts:
                 self._give_up(proc, f"{stage} died ({proc.reason}) and has been restarted {count} time(s), its limit")
                 continue

@@ -38,6 +38,9 @@ class StageConfig(_Section):
     restart: Literal["never", "on-failure"] = Field(default="never", description="Restart policy when the stage dies.")
     max_restarts: int = Field(default=3, ge=0, description="Restarts allowed under on-failure.")
     restart_backoff_s: float = Field(default=10.0, ge=0, description="First restart delay; doubles each time.")
+    final_exit_codes: list[int] = Field(
+        default_factory=lambda: [2], description="Exit codes no restart can fix (a usage, configuration or input "
+                                                 "error: eagle3's own commands and argparse exit 2): never restarted.")
     progress: Literal["auto", "manifest", "progress-jsonl", "tensorboard", "log-regex", "files", "none"] = Field(
         default="auto", description="Progress authority (auto: manifest for extract and regenerate, progress.jsonl for "
                                     "train, none for server).")
@@ -257,13 +260,51 @@ class Config(_Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm settings for stages run as jobs.")
 
 
-class Workspace:
-    """A loaded config plus the directory its relative paths are resolved against."""
+RUN_TOKEN = "{run}"  # in a stage's paths and argv: the run's id, so each run writes a place of its own
 
-    def __init__(self, *, config: Config, path: Path) -> None:
+
+def _expand(value: object, run: str) -> object:
+    if isinstance(value, str):
+        return value.replace(RUN_TOKEN, run)
+    if isinstance(value, list):
+        return [_expand(v, run) for v in value]
+    if isinstance(value, dict):
+        return {k: _expand(v, run) for k, v in value.items()}
+    return value
+
+
+class Workspace:
+    """A loaded config plus the directory its relative paths are resolved against. A stage's strings may hold
+    `{run}`; `for_run(run)` gives the workspace as that run sees it, `{run}` replaced by the run's id."""
+
+    def __init__(self, *, config: Config, path: Path, run: str | None = None) -> None:
         self.config = config
         self.path = path.resolve()
         self.root = self.path.parent
+        self.run = run  # the run `{run}` was expanded for (None: not expanded)
+        self._bound: dict[str, Workspace] = {}
+
+    @property
+    def run_scoped(self) -> bool:
+        """Whether some stage's setting names `{run}` (and so means another place in each run)."""
+        return self.run is None and any(RUN_TOKEN in text for name in STAGE_NAMES
+                                        for value in self.stage(name).model_dump().values()
+                                        for text in _strings(value))
+
+    def for_run(self, run: str | None) -> Workspace:
+        """This workspace as run `run` sees it: `{run}` in the stages' settings replaced by its id. Itself where
+        no setting names `{run}` or no run is given (a `{run}` then stays as written: nothing reads such a path)."""
+        if run is None or not self.run_scoped:
+            return self
+        if run not in self._bound:
+            stages = self.config.stages
+            bound = stages.model_copy(update={
+                name: getattr(stages, name).model_copy(update={
+                    k: _expand(getattr(getattr(stages, name), k), run)
+                    for k in type(getattr(stages, name)).model_fields}) for name in STAGE_NAMES})
+            self._bound[run] = Workspace(config=self.config.model_copy(update={"stages": bound}), path=self.path,
+                                         run=run)
+        return self._bound[run]
 
     def resolve(self, value: str | None) -> Path | None:
         """Resolve a configured path against the config's directory (None stays None)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from pipeline import manifest
-from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
+from pipeline.config import PLACEHOLDER, RUN_TOKEN, STAGE_NAMES, Workspace
 from pipeline.stages import slurm
 
 # systemd's PATH for system services: what a stage started by `eagle3 serve` under the unit sees.
@@ -150,8 +150,12 @@ def _resolved(ws: Workspace, stage: str, value: str) -> Path:
 
 
 def _data_exists(ws: Workspace) -> list[str]:
-    data = ws.config.stages.extract.data
-    if not data or PLACEHOLDER.search(data) or ws.resolve(data).is_file():
+    """The extraction's dataset exists, unless a stage before it writes it (regeneration's `out`) or it is a
+    run's own (`{run}`: made in each run)."""
+    data, regenerated = ws.config.stages.extract.data, ws.config.stages.regenerate
+    if not data or PLACEHOLDER.search(data) or RUN_TOKEN in data or ws.resolve(data).is_file():
+        return []
+    if regenerated.argv and regenerated.out and ws.resolve(regenerated.out) == ws.resolve(data):
         return []
     return [f'{ws.path.name}: stages.extract.data: "{data}" does not exist ({ws.resolve(data)}); '
             "give the dataset JSONL (one sample a line with input_ids)"]

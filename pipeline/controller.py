@@ -96,8 +96,19 @@ class Controller:
         self._check_stage(stage)
         if fresh and stage != "train":
             raise UserError(f"--fresh is for training (it moves stages.train.out's checkpoints aside), not {stage}")
+        reopen = None
         if stage == "train":
             c = completion.check(self.ws, self.store, verify_sample=self.ws.config.handoff.verify_sample)
+            if c.run is None and (closed := self.store.last_closed_run()):
+                # no run open (training finished, or `stop --all`): train on the last run's extraction when it is
+                # verified complete, reopening that run; otherwise say which run was looked at and why not
+                earlier = completion.check(self.ws, self.store, verify_sample=self.ws.config.handoff.verify_sample,
+                                           run=closed[0])
+                if earlier.complete:
+                    c, reopen = earlier, closed
+                else:
+                    c.missing = [f"no run is open, and the last run {closed[0]} (closed: {closed[1]}) has no verified "
+                                 f"extraction ({'; '.join(earlier.missing)}); `eagle3 start extract` opens a new run"]
             if not c.complete and not force:
                 self.store.audit(user=by, channel=None, action="start train", outcome="refused", detail="; ".join(c.missing))
                 raise TrainGuardError(c)
@@ -107,9 +118,12 @@ class Controller:
             self._guard_server_gpus(force=force, by=by)
         if stage == "server":
             self._record_gpu_baseline()
+        if reopen:  # after every guard: a refused start reopens nothing
+            self.store.reopen_run(reopen[0], reason=f"start train by {by}: training on its verified extraction")
         moved = self._set_training_aside(by=by) if fresh else None
         proc = self.supervisor.start(stage)
         proc.set_aside = str(moved) if moved else None
+        proc.reopened = reopen[0] if reopen else None
         return proc
 
     def _set_training_aside(self, *, by: str) -> Path | None:
@@ -119,7 +133,9 @@ class Controller:
         proc = self.store.latest_proc("train")
         if proc and proc.state in MAYBE_ALIVE_STATES:
             raise StageError(f"train is {proc.state}: stop it first (`eagle3 stop train`), then start it --fresh")
-        out = self.ws.resolve(self.ws.stage("train").out)
+        # with `{run}` in the path, the open run's own training (a run opened by this start has none yet)
+        ws = self.ws.for_run(self.store.current_run())
+        out = ws.resolve(ws.stage("train").out)
         if out is None:
             raise UserError("--fresh needs stages.train.out (the trainer's --out) in the config, to know what "
                             "to move aside")
@@ -319,8 +335,14 @@ class Controller:
             started_at=proc.started_at, ended_at=proc.ended_at,
             uptime_s=round(now - proc.started_at, 1) if running and proc.started_at else None,
             log=proc.log, reason=proc.reason, run=proc.run_id, stop_requested=bool(proc.stop_requested),
-            job=proc.job_id if proc.executor == "slurm" else None)
+            job=proc.job_id if proc.executor == "slurm" else None, out=self._out(stage, proc.run_id))
         return self._with_verdict(stage, proc, st)
+
+    def _out(self, stage: str, run: str | None) -> str | None:
+        """The stage's configured output as `run` sees it (`{run}` expanded), or None."""
+        ws = self.ws.for_run(run)
+        out = getattr(ws.stage(stage), "out", None)
+        return str(ws.resolve(out)) if out else None
 
     def _with_verdict(self, stage: str, proc: StageProc, st: StageStatus) -> StageStatus:
         v = self.store.verdict(stage)
@@ -347,5 +369,6 @@ class Controller:
     def logs(self, stage: str, *, lines: int = 50) -> tuple[Path, list[str]]:
         """The last lines of a stage's log."""
         self._check_stage(stage)
-        path = self.ws.log_path(stage)
+        proc = self.store.latest_proc(stage)
+        path = self.ws.for_run(proc.run_id if proc else None).log_path(stage)
         return path, tail_lines(path, lines)

@@ -58,6 +58,7 @@ class StageProc:
     restart_due: float | None = None
     restart_given_up: int | None = None
     set_aside: str | None = None  # not stored: where `start train --fresh` moved the earlier training's files
+    reopened: str | None = None  # not stored: the closed run `start train` reopened to train on its extraction
 
     @classmethod
     def from_row(cls, row: dict) -> StageProc:
@@ -107,7 +108,7 @@ class StageProc:
         return f"Slurm job {self.job_id}" if self.is_job else f"pid {self.pid}"
 
 
-COLUMNS = frozenset(f.name for f in fields(StageProc)) - {"set_aside"}
+COLUMNS = frozenset(f.name for f in fields(StageProc)) - {"set_aside", "reopened"}
 
 
 _EDGES = {

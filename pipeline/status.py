@@ -38,6 +38,7 @@ class StageStatus:
     run: str | None = None
     stop_requested: bool = False
     job: str | None = None  # the Slurm job id of a stage run as a job (the key is absent for local stages)
+    out: str | None = None  # its output as its run sees it (`{run}` expanded); the key is absent where none is set
     observed: bool = False  # a verdict of this very process is stored (else: "not observed yet")
     # the stored verdict of this process (its fields are StoredVerdict's, declared there once and read here as
     # attributes: st.eta_s, st.progress_pct …); before one is stored, what is said instead ("just started"); None:
@@ -87,6 +88,8 @@ class StageStatus:
         out = {k: _plain(getattr(self, k)) for k in PROCESS_KEYS}
         if self.job is not None:
             out["job"] = self.job
+        if self.out is not None:
+            out["out"] = self.out
         if not self.started:
             return out
         out["stop_requested"] = self.stop_requested

@@ -262,6 +262,18 @@ class Store:
         row = self.db.execute("SELECT id FROM runs ORDER BY closed_at IS NULL DESC, opened_at DESC LIMIT 1").fetchone()
         return row[0] if row else None
 
+    def last_closed_run(self) -> tuple[str, str | None] | None:
+        """(id, why it closed) of the most recently closed run, or None."""
+        row = self.db.execute("SELECT id, close_reason FROM runs WHERE closed_at IS NOT NULL "
+                              "ORDER BY closed_at DESC, opened_at DESC LIMIT 1").fetchone()
+        return (row[0], row[1]) if row else None
+
+    def reopen_run(self, run_id: str, *, reason: str) -> None:
+        """Open a closed run again (training started on its verified extraction, with no run open)."""
+        with self.atomic():
+            self.db.execute("UPDATE runs SET closed_at = NULL, close_reason = NULL WHERE id = ?", [run_id])
+            self.add_event(kind="run-reopened", run_id=run_id, data={"reason": reason})
+
     def close_run(self, run_id: str, *, reason: str) -> None:
         """Close a run (training ended, or everything stopped)."""
         self.db.execute("UPDATE runs SET closed_at = ?, close_reason = ? WHERE id = ? AND closed_at IS NULL",

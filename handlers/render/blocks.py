@@ -15,7 +15,7 @@ from slack_sdk.models.blocks import (
     SectionBlock,
 )
 
-from handlers.render.views import ago, plain_times, slack_time
+from handlers.render.views import ago, plain_times, run_label, slack_time
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
 from pipeline.status import RunStatus, StageStatus
 from pipeline.verdict import fmt_bytes
@@ -139,7 +139,7 @@ def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
     name, st = _focus(status)
     host = socket.gethostname() if host is None else host
     headline = (f"*Run {status.run or '(none open)'}*" + (f" on `{host}`" if host else "")
-                + f" — {name}: *{st.verdict or st.state}*")
+                + f" — {name}{run_label(st, status.run)}: *{st.verdict or st.state}*")
     sentence = answer(name, st) if st.started else "Nothing is running yet."
     blocks = [SectionBlock(text=MarkdownTextObject(text=_clip(f"{headline}\n{sentence}")))]
     details = _details(name, st, now)

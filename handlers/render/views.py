@@ -56,9 +56,15 @@ def gpus_text(gpus: list[dict] | None, *, why: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def stage_line(name: str, st: StageStatus) -> str:
+def run_label(st: StageStatus, current: str | None) -> str:
+    """' (run r…, closed)' for a stage whose latest process belongs to a run that is not the open one (one run is
+    open at a time, so it is closed): its state and readings are that run's, never this run's."""
+    return f" (run {st.run}, closed)" if st.started and st.run and st.run != current else ""
+
+
+def stage_line(name: str, st: StageStatus, current: str | None = None) -> str:
     """One stage of `eagle3 status` as a line."""
-    parts = [f"{name:<8} {st.state:<11}"]
+    parts = [f"{name:<8} {st.state:<11}" + run_label(st, current)]
     if st.pid:
         parts.append(f"pid {st.pid}")
     if st.job:
@@ -99,9 +105,11 @@ def status_text(status: RunStatus) -> str:
     if box.get("pending") or box.get("failed"):
         lines.append(outbox_line(box))
     for name, st in status.stages.items():
-        lines.append(stage_line(name, st))
+        lines.append(stage_line(name, st, status.run))
         if st.started and st.verdict:
             lines.append(verdict_line(name, st))
+        if st.out:
+            lines.append(f"{'':<8} out: {st.out}")
         lines.append(f"{'':<8} log: {st.log}")
     return "\n".join(lines)
 

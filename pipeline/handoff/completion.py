@@ -46,10 +46,12 @@ class Completion:
         return 100.0 * ((self.done or 0) + (self.failed or 0)) / self.total
 
 
-def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: bool = True) -> Completion:
-    """Evaluate every condition; with `run_verify` the slow ones (listing the tree, opening sample
-    files) run too, once the cheap ones hold. Without it only the store and the manifest are read."""
-    run = store.current_run()
+def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: bool = True,
+          run: str | None = None) -> Completion:
+    """Evaluate every condition for the open run (or `run`, a closed one); with `run_verify` the slow ones
+    (listing the tree, opening sample files) run too, once the cheap ones hold. Without it only the store and
+    the manifest are read."""
+    run = run or store.current_run()
     proc = store.latest_proc("extract", run=run) if run else None
     server = store.latest_proc("server", run=run) if run else None
     c = Completion(complete=False, run=run,
@@ -58,6 +60,7 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
         c.missing.append("extraction has not run in this run" if run else
                          "no run is open (extraction has not run since the last run closed)")
         return c
+    ws = ws.for_run(run)  # `{run}` in the paths: this run's own place
     if source_of(ws, "extract") != "manifest":
         return _by_final_verdict(c, store, proc)
     out = ws.resolve(ws.stage("extract").out)

@@ -297,10 +297,11 @@ class Handoff:
             "step": CANCELLED, "reason": f"training ({started[0].who}) stopped: auto-start was "
                                          "cancelled while it was being launched"})
 
-    def _draft_note(self) -> str:
+    def _draft_note(self, run: str | None) -> str:
         """Where the trainer exported the draft, and SGLang's launch line for it ('' when there is none)."""
-        train = self.ws.config.stages.train
-        return draft_note(self.ws.resolve(train.out), train.argv, cwd=self.ws.resolve(train.cwd) or self.ws.root)
+        ws = self.ws.for_run(run)
+        train = ws.config.stages.train
+        return draft_note(ws.resolve(train.out), train.argv, cwd=ws.resolve(train.cwd) or ws.root)
 
     def _training(self, state: dict) -> None:
         """Follow training to its end: the handoff ends `training-done` or `training-failed`."""
@@ -311,10 +312,10 @@ class Handoff:
         if proc.stop_requested:
             self._set(CANCELLED, f"training stopped on request ({proc.reason})")
         elif proc.state == StageState.EXITED and proc.exit_code == 0:
-            why = finished(self.ws, "train", clock=self.store.clock)
+            why = finished(self.ws.for_run(proc.run_id), "train", clock=self.store.clock)
             if why:
                 self._set(TRAINING_FAILED, f"training {why}")
             else:
-                self._set(TRAINING_DONE, "training finished (exit 0)" + self._draft_note())
+                self._set(TRAINING_DONE, "training finished (exit 0)" + self._draft_note(proc.run_id))
         else:
             self._set(TRAINING_FAILED, f"training ended: {proc.reason}")

@@ -24,7 +24,7 @@ from pipeline.observe.probes.process import group_processes, read_process
 from pipeline.observe.probes.server import ServerProbe
 from pipeline.stages.slurm import is_local_host
 from pipeline.stages.supervisor import Supervisor
-from pipeline.states import StageState
+from pipeline.states import StageProc, StageState
 from pipeline.store import KV, Store
 from pipeline.verdict import Policy, StoredVerdict, VerdictRecord, fmt_bytes
 
@@ -81,8 +81,9 @@ class Sampler:
         self.policy = Policy(stall_floor_s=cfg.monitor.stall_floor_s, max_failed_share=cfg.handoff.max_failed_share)
         self.budget = _Budget()
         self.server = ServerProbe(cfg.stages.server.url, clock=clock)
-        self.scanners: dict[str, FileScanner] = {}
+        self.scanners: dict[str, tuple[Path, FileScanner]] = {}
         self.readers: dict = {}  # incremental progress readers (a log tail, event files), one per stage
+        self.reader_runs: dict[str, str | None] = {}  # the run each stage's readers were made for
         self.diagnosers: dict[str, tuple[int, Diagnoser]] = {}
         self.finished: dict[str, int] = {}  # stage -> proc id whose end was already observed
         self.last_thin = 0.0
@@ -93,19 +94,33 @@ class Sampler:
         self.server.close()
 
     # --- per stage sources -----------------------------------------------------
-    def _files_dir(self, stage: str) -> Path | None:
-        cfg = self.ws.stage(stage)
+    @staticmethod
+    def _files_dir(ws: Workspace, stage: str) -> Path | None:
+        cfg = ws.stage(stage)
         if cfg.files_dir:
-            return self.ws.resolve(cfg.files_dir)
+            return ws.resolve(cfg.files_dir)
         out = getattr(cfg, "out", None)
         if out is None:
             return None
         if stage == "regenerate":
-            return lines_dir(self.ws.resolve(out))
-        return self.ws.resolve(out) / "hidden_states" if stage == "extract" else self.ws.resolve(out)
+            return lines_dir(ws.resolve(out))
+        return ws.resolve(out) / "hidden_states" if stage == "extract" else ws.resolve(out)
 
-    def _progress_call(self, stage: str, files: dict):
-        return progress_call(self.ws, stage, files, clock=self.clock, readers=self.readers)
+    def _scanner(self, stage: str, fdir: Path, ws: Workspace) -> FileScanner:
+        """The stage's file scanner, a new one when its directory is another (`{run}` in it, a new run)."""
+        held = self.scanners.get(stage)
+        if held is None or held[0] != fdir:
+            held = self.scanners[stage] = (fdir, FileScanner(str(fdir), suffix=ws.stage(stage).files_suffix,
+                                                             budget_s=ws.config.monitor.probe_budget_s))
+        return held[1]
+
+    def _run_of(self, stage: str, row: StageProc) -> Workspace:
+        """The workspace as the row's run sees it; a stage's incremental readers start over with each run (a
+        new run's progress is never read from where an earlier run's reader had got to)."""
+        if self.reader_runs.get(stage) != row.run_id:
+            self.readers.pop(stage, None)
+            self.reader_runs[stage] = row.run_id
+        return self.ws.for_run(row.run_id)
 
     # --- the tick --------------------------------------------------------------
     def tick(self) -> dict[str, tuple[dict, VerdictRecord]]:
@@ -122,17 +137,17 @@ class Sampler:
         calls = {"gpus": lambda: self.gpu.read(pid_stage)}
         if {"server", "regenerate", "extract"} & set(active):
             calls["server"] = self.server.read
+        bound = {stage: self._run_of(stage, row) for stage, row in active.items()}
         for stage, row in active.items():
             calls[f"{stage}.process"] = lambda row=row: read_process(row, clock=self.clock)
-            fdir = self._files_dir(stage)
+            fdir = self._files_dir(bound[stage], stage)
             if fdir is not None:
-                scanner = self.scanners.setdefault(stage, FileScanner(str(fdir), suffix=self.ws.stage(stage).files_suffix,
-                                                                     budget_s=self.ws.config.monitor.probe_budget_s))
-                calls[f"{stage}.files"] = scanner.scan
+                calls[f"{stage}.files"] = self._scanner(stage, fdir, bound[stage]).scan
         readings = self.budget.gather(calls, self.ws.config.monitor.probe_budget_s, self.clock)
         second = {}
         for stage in active:
-            fn = self._progress_call(stage, _value(readings.get(f"{stage}.files")))
+            fn = progress_call(bound[stage], stage, _value(readings.get(f"{stage}.files")), clock=self.clock,
+                               readers=self.readers)
             if fn:
                 second[f"{stage}.progress"] = fn
         readings.update(self.budget.gather(second, self.ws.config.monitor.probe_budget_s, self.clock))
@@ -157,11 +172,11 @@ class Sampler:
             if reading.unknown:
                 obs.setdefault("unknown", {})[section] = reading.unknown
         if stage in ("extract", "train"):
-            obs["disk"] = self._disk(stage, obs)
+            obs["disk"] = self._disk(stage, obs, self.ws.for_run(row.run_id))
         final = row.has_ended
         if final:
             self.finished[stage] = row.id
-            obs["done_when"] = evidence(self.ws, stage)  # what "done" means for it, and what was found
+            obs["done_when"] = evidence(self.ws.for_run(row.run_id), stage)  # what "done" means for it, and what was found
         verdict = self._diagnoser(stage, row).feed(obs)
         with self.store.atomic():
             self.store.add_observation(obs, run_id=row.run_id)
@@ -192,7 +207,7 @@ class Sampler:
                 self.store.put(key, True)
                 self.store.add_event(kind="condition-alert", run_id=row.run_id, stage=stage, data={"reason": reason})
 
-    def _disk(self, stage: str, obs: dict) -> dict | None:
+    def _disk(self, stage: str, obs: dict, ws: Workspace) -> dict | None:
         """Free space on the stage's output volume against what it will still write: the extraction's hidden
         states for the tokens left; training's checkpoints to come (kept by --keep-last) and its draft, as the
         trainer measured them at its last save."""
@@ -204,7 +219,7 @@ class Sampler:
             if prog.get("tokens_total") is not None and prog.get("tokens_done") is not None:
                 left = prog["tokens_total"] - prog["tokens_done"]
             need = projected_need(tokens_left=left, layers=prog.get("layers"), hidden=prog.get("hidden_size"))
-        out = self.ws.resolve(self.ws.stage(stage).out)
+        out = ws.resolve(ws.stage(stage).out)
         reading = read_disk(str(out) if out else None, need_bytes=need, clock=self.clock)
         if reading.unknown:
             obs.setdefault("unknown", {})["disk"] = reading.unknown

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import threading
+from pathlib import Path
 
 from pipeline.config import STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.stages.host import RealHost, stage_env
@@ -36,12 +37,14 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
     store = Store(ws.store_path)
     host = RealHost()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    log = RotatingLog(ws.log_path(stage), max_bytes=ws.config.state.log_max_bytes, keep=ws.config.state.log_keep)
+    row = store.proc(proc_id)  # its log as recorded at the start (`{run}` in a log path: the run's own)
+    log = RotatingLog(Path(row.log) if row and row.log else ws.log_path(stage), max_bytes=ws.config.state.log_max_bytes, keep=ws.config.state.log_keep)
     proc = claim_row(store, proc_id, runner_pid=os.getpid(), runner_create_time=host.create_time(os.getpid()))
     if proc is None:
         log.write(f"eagle3: not starting {stage}: its start record {proc_id} was already closed or taken\n".encode())
         log.close()
         return 0
+    ws = ws.for_run(proc.run_id)
     cfg = ws.stage(stage)
     try:
         child = subprocess.Popen(

@@ -76,13 +76,14 @@ class SlurmExecutor:
     def submit(self, stage: str, proc_id: int) -> dict:
         """sbatch the stage's generated script; the row gets the job id, then the job's state."""
         proc = self.store.proc(proc_id)
-        cfg = self.ws.stage(stage)
-        log = self.ws.log_path(stage)
+        ws = self.ws.for_run(proc.run_id)
+        cfg = ws.stage(stage)
+        log = ws.log_path(stage)
         log.parent.mkdir(parents=True, exist_ok=True)
-        text = slurm.batch_script(name=proc.job_name, argv=cfg.argv, cfg=cfg, slurm=self.ws.config.slurm, log=log,
-                                  cwd=self.ws.resolve(cfg.cwd) or self.ws.root)
-        script = slurm.write_script(self.ws.state_dir / "slurm", proc.job_name, text)
-        env = stage_env(self.ws, stage, run=proc.run_id)  # sbatch exports it to the job: ours without the Slack secrets
+        text = slurm.batch_script(name=proc.job_name, argv=cfg.argv, cfg=cfg, slurm=ws.config.slurm, log=log,
+                                  cwd=ws.resolve(cfg.cwd) or ws.root)
+        script = slurm.write_script(ws.state_dir / "slurm", proc.job_name, text)
+        env = stage_env(ws, stage, run=proc.run_id)  # sbatch exports it to the job: ours without the Slack secrets
         try:
             job = slurm.submit(script, env=env)
         except slurm.SlurmError as exc:

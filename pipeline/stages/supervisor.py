@@ -112,14 +112,14 @@ class Supervisor:
             raise StageError(f"{stage} is already {proc.state} ({held}); see `eagle3 status`, "
                              f"or stop it first with `eagle3 stop {stage}`")
         run_id = self.store.open_run()
-        cfg = self.ws.stage(stage)
+        cfg = self.ws.for_run(run_id).stage(stage)  # `{run}` in its argv: this run's own place
         argv, on_slurm = cfg.argv, cfg.executor == "slurm"
         with self.store.atomic():
             if only_if is not None and not only_if():
                 return None
             proc_id = self.store.insert_proc({
                 "run_id": run_id, "stage": stage, "state": str(StageState.QUEUED if on_slurm else StageState.RUNNING),
-                "argv": json.dumps(argv), "log": str(self.ws.log_path(stage)), "started_at": self.host.clock(),
+                "argv": json.dumps(argv), "log": str(self.ws.for_run(run_id).log_path(stage)), "started_at": self.host.clock(),
                 "stop_requested": 0, "executor": cfg.executor, "restart_count": restart_count,
             })
             if on_slurm:  # the submission is recorded (by the job's name) before sbatch is run

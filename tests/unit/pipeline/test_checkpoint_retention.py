@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.outdir import (accepted_length, best_validated, checkpoint_fit, prune, saves_after, set_aside,
-                                   steps_saved)
+from pipeline.train.outdir import (
+    accepted_length,
+    best_validated,
+    checkpoint_fit,
+    prune,
+    saves_after,
+    set_aside,
+    steps_saved,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

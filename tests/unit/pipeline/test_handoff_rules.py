@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from pipeline.config import Workspace
-from pipeline.controller import Controller, ServerHoldsGpusError
+from pipeline.controller import Controller, ServerHoldsGpusError, TrainGuardError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.states import StageProc, StageState
@@ -306,5 +306,59 @@ def test_the_restart_policy_keeps_its_backoff_count_and_limit_on_the_process_row
         assert started == [1, 2] and last.restart_given_up and not last.in_backoff
         assert [e["kind"] for e in store.events(kind="restart-limit")] == ["restart-limit"]
         assert Controller(workspace=ws, store=store).restarts("server") == 2
+    finally:
+        store.close()
+
+
+def test_an_exit_2_is_final_and_never_restarted(tmp_path):
+    """A usage, configuration or input error (exit 2: a dataset of another hash, a flag mistake) is given up at once
+    with the reason and the way out, not retried `max_restarts` times; another exit code still restarts."""
+    from pipeline.automation import Automation
+
+    ws = workspace_of(tmp_path, '[stages.extract]\nargv = ["x"]\nrestart = "on-failure"\nrestart_backoff_s = 0\n')
+    store = Store(ws.store_path)
+    auto = Automation(ws=ws, store=store, clock=lambda: 1000.0)
+    started = []
+    auto.sup.start = lambda stage, **_: started.append(stage)
+    run = store.open_run()
+    store.insert_proc({"run_id": run, "stage": "extract", "state": "exited", "exit_code": 2, "argv": "[]",
+                       "started_at": 990.0, "ended_at": 1000.0, "reason": "exited with code 2"})
+    try:
+        auto.restart_policy()
+        auto.restart_policy()
+        assert started == [] and store.latest_proc("extract").restart_given_up
+        (event,) = store.events(kind="restart-limit")
+        assert "no restart fixes" in event["data"]["reason"] and "eagle3 start extract" in event["data"]["reason"]
+    finally:
+        store.close()
+
+
+def test_start_train_with_no_run_open_trains_on_the_last_runs_verified_extraction(tmp_path, verify_passes):
+    """extract → `stop --all` (which closes the run) → `start train`: it trains on that run's verified extraction,
+    reopening the run (so its checkpoints and `{run}` paths are that run's), with no --force; where the last run's
+    extraction is not verified complete, the refusal names that run and why."""
+    ws, store = used_ws(tmp_path)
+    ctl = Controller(workspace=ws, store=store)
+    started = []
+
+    def start(stage, **_):
+        started.append((stage, store.current_run()))
+        return store.proc(add_proc(store, store.open_run(), stage))
+
+    ctl.supervisor.start = start
+    try:
+        (closed, _), = store.db.execute("SELECT id, close_reason FROM runs").fetchall()
+        add_proc(store, closed, "extract", state="exited", exit_code=0)  # that run's extraction, verified complete
+        proc = ctl.start("train", by="test")
+        assert started == [("train", closed)] and proc.reopened == closed and proc.run_id == closed
+        assert [e["run_id"] for e in store.events(kind="run-reopened")] == [closed]
+
+        store.close_run(closed, reason="all stages stopped")
+        store.db.execute("UPDATE stage_procs SET exit_code = 1 WHERE stage = 'extract'")
+        with pytest.raises(TrainGuardError) as refused:
+            ctl.start("train", by="test")
+        (why,) = refused.value.completion.missing
+        assert f"the last run {closed} (closed: all stages stopped) has no verified extraction" in why
+        assert "did not exit 0" in why and store.current_run() is None and len(started) == 1
     finally:
         store.close()
