@@ -172,8 +172,8 @@ class Notifier:
         """25/50/75/100 % of extraction, once each per run, as replies in the run's thread."""
         v = store.verdict("extract")
         run, pct = (v.run, v.progress_pct) if v else (None, None)
-        if not run or pct is None:
-            return
+        if not run or pct is None or run != store.current_run():
+            return  # a closed run's figures are that run's: never posted again, nor into another run's thread
         passed = store.get(self.k + KV.milestones(run), [])
         for m in MILESTONES:
             if pct >= m and m not in passed:

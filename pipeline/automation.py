@@ -110,10 +110,15 @@ class Automation:
         due = [r for r in pending if r["due_at"] <= now]
         if not due:
             return
+        run = self.store.current_run()
         status = {s: v.to_json() for s in STAGE_NAMES if (v := self.store.verdict(s)) is not None}
         with self.store.atomic():
             self.store.put(KV.REMINDERS, [r for r in pending if r["due_at"] > now])
             for r in due:
-                self.store.add_event(kind="reminder", run_id=self.store.current_run(), data={
+                if "run" in r and r["run"] != run:  # asked in a run that has closed since: not posted into another
+                    self.store.add_event(kind="reminder-dropped", run_id=r.get("run"), data={
+                        "by": r["by"], "asked_at": r["created_at"], "reason": f"its run {r.get('run')} is closed"})
+                    continue
+                self.store.add_event(kind="reminder", run_id=run, data={
                     "by": r["by"], "asked_at": r["created_at"], "status": {
                         s: {k: v.get(k) for k in ("verdict", "progress_pct", "eta_s", "reasons")} for s, v in status.items() if v}})

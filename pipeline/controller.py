@@ -198,7 +198,7 @@ class Controller:
             if not m:
                 raise UserError(f"remind {spec!r}: give a delay such as 30m, 1h or 90s, or 'eta'")
             delay = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
-        reminder = {"due_at": now + delay, "created_at": now, "by": by, "spec": spec}
+        reminder = {"due_at": now + delay, "created_at": now, "by": by, "spec": spec, "run": self.store.current_run()}
         with self.store.atomic():
             self.store.put(KV.REMINDERS, [*self.store.get(KV.REMINDERS, []), reminder])
             self.store.audit(user=by, channel=None, action=f"remind {spec}", outcome="done")

@@ -94,6 +94,7 @@ def summarize(out_dir: Path) -> dict:
             "layers": as_int("layers"), "hidden_size": as_int("hidden_size"),
             # answers in memory at the client, and its budget (absent from manifests before issue 17)
             "inflight_bytes": as_int("inflight_bytes"), "max_inflight_bytes": as_int("max_inflight_bytes"),
+            "run": meta.get("run") or None,  # the run whose extraction last wrote it (EAGLE3_RUN), where known
             # the done samples' request latencies: raw sums per length bin (LATENCY_SUMS, in order), from which
             # pipeline/observe/latency.py builds the ETA's cost shape; None before latencies were kept
             "latency_bins": latency}

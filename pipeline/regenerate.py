@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from pipeline.config import RUN_ENV
 from pipeline.errors import UserError
 from pipeline.extract.dataset import scan
 from pipeline.extract.options import ClientOptions
@@ -135,7 +136,6 @@ class Regenerator:
         if not o.data.is_file():
             raise UserError(f"--data {o.data}: no such file")
 
-        fetch_info(o.server, wait_s=o.server_wait_s, say=self.say)
         data = scan(o.data)
         parts = parts_dir(o.out)
         lines_dir(o.out).mkdir(parents=True, exist_ok=True)
@@ -154,7 +154,13 @@ class Regenerator:
             manifest.apply(matched, lambda i: lines_dir(o.out) / f"{i}.json")
         manifest.set_meta({"dataset_sha256": data.sha256, "samples_total": len(data), "tokens_total": data.tokens_total,
                            "tokens_sq_total": sum(n * n for n in data.tokens), "data_path": str(o.data.resolve()),
+                           **({"run": os.environ[RUN_ENV]} if os.environ.get(RUN_ENV) else {}),
                            "stage": "regenerate", "max_new_tokens": o.max_new_tokens, "temperature": o.temperature})
+        try:  # after the manifest is this run's: an earlier run's figures are not shown while the server is awaited
+            fetch_info(o.server, wait_s=o.server_wait_s, say=self.say)
+        except BaseException:
+            manifest.close()
+            raise
         done = manifest.done()
         missing = [i for i in done if not (lines_dir(o.out) / f"{i}.json").exists()]
         if missing:  # a row without its file (a disk swapped under it): do them again

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from pipeline.config import RUN_ENV
 from pipeline.errors import UserError
 from pipeline.extract import dataset as ds
 from pipeline.extract import fastparse
@@ -31,7 +32,7 @@ from pipeline.extract.response import BadResponse
 from pipeline.extract.storing import LAYER_CONVENTION, DiskError, Stored, StoreSpec, store_answer
 from pipeline.extract.writer import DTYPES, remove_temp_files, sample_path
 from pipeline.layout import HIDDEN_DIR
-from pipeline.manifest import Manifest
+from pipeline.manifest import MANIFEST_NAME, Manifest
 from pipeline.prepare import read_meta as read_prepare_meta
 from pipeline.verdict import fmt_bytes
 
@@ -142,8 +143,18 @@ class Extractor:
     # --- setup --------------------------------------------------------------------
     def prepare(self) -> tuple[ds.Dataset, Plan, Manifest, list[int]]:
         data = ds.scan(self.o.data)
+        # A used --out is claimed first (another dataset is refused before any wait for the server, and no earlier
+        # run's figures are shown as this run's meanwhile); a new one only once the server passed its preflight.
+        manifest = self._claim(data) if (Path(self.o.out) / MANIFEST_NAME).exists() else None
         longest = max(data.tokens, default=0)
-        p = plan(fetch_info(self.o.server, wait_s=self.o.server_wait_s, say=self.say), layers=self.o.layers, topk=self.o.target_topk, longest=longest)
+        try:
+            p = plan(fetch_info(self.o.server, wait_s=self.o.server_wait_s, say=self.say), layers=self.o.layers,
+                     topk=self.o.target_topk, longest=longest)
+        except BaseException:
+            if manifest is not None:
+                manifest.close()
+            raise
+        manifest = manifest or self._claim(data)
         self.say(f"server {self.o.server}: version {p.version}, {p.layers} layers per row "
                  f"({'3 aux + final' if p.final_present else '3 aux, no final; top-' + str(p.topk) + ' target logprobs'}), "
                  f"chunked prefill {p.chunk}, aux layer ids {p.layer_ids}")
@@ -153,30 +164,13 @@ class Extractor:
                  + ": a request is sent only when its answer fits beside those in flight")
         for w in p.warnings:
             self.say(f"warning: {w}")
-        manifest = Manifest(self.o.out)
-        meta = manifest.meta()
-        same = meta.get("dataset_sha256") in (None, data.sha256)
-        matched = manifest.reconcile(data.keys, same_data=same)
-        if not same and not self.o.force:
-            manifest.close()
-            raise UserError(f"{self.o.out}: holds extraction of a different dataset (hash {meta['dataset_sha256'][:12]}…, "
-                            f"this one {data.sha256[:12]}…). --force would continue into it by content: "
-                            f"{matched.describe()}. Or use another --out")
-        if matched.changes:
-            if not same:
-                self.say(f"--force: {self.o.out} held another version of this data; by each line's content: "
-                         f"{matched.describe()}")
-            manifest.apply(matched, lambda i: sample_path(self.o.out, i))
         (self.o.out / "hidden_states").mkdir(parents=True, exist_ok=True)
         removed = remove_temp_files(self.o.out / "hidden_states")
         if removed:
             self.say(f"removed {removed} temp file(s) left by an interrupted run")
-        manifest.set_meta({"dataset_sha256": data.sha256, "samples_total": len(data), "tokens_total": data.tokens_total,
-                           "tokens_sq_total": sum(n * n for n in data.tokens),
-                           "model": p.model, "layers": p.layers, "layer_ids": json.dumps(p.layer_ids),
+        manifest.set_meta({"model": p.model, "layers": p.layers, "layer_ids": json.dumps(p.layer_ids),
                            "layer_convention": LAYER_CONVENTION, "final_layer": "present" if p.final_present else "absent",
-                           "final_slot": "post-norm" if p.final_present else "",
-                           "data_path": str(Path(self.o.data).resolve()), "server_version": p.version,
+                           "final_slot": "post-norm" if p.final_present else "", "server_version": p.version,
                            "max_inflight_bytes": int(self.budget), "inflight_bytes": 0})
         prepared = read_prepare_meta(Path(self.o.data))
         if prepared is not None:  # `eagle3 prepare` wrote the data: its template, tokenizer and counts
@@ -191,6 +185,31 @@ class Extractor:
         if len(todo) < len(data):
             self.say(f"resuming: {len(data) - len(todo):,} of {len(data):,} samples already done")
         return data, p, manifest, todo
+
+    def _claim(self, data: ds.Dataset) -> Manifest:
+        """Open the manifest and make it this data's (by each line's content) and this run's: refused without
+        --force when it holds another dataset, with what --force would keep and redo."""
+        manifest = Manifest(self.o.out)
+        meta = manifest.meta()
+        same = meta.get("dataset_sha256") in (None, data.sha256)
+        matched = manifest.reconcile(data.keys, same_data=same)
+        if not same and not self.o.force:
+            manifest.close()
+            raise UserError(f"{self.o.out}: holds extraction of a different dataset (hash {meta['dataset_sha256'][:12]}…, "
+                            f"this one {data.sha256[:12]}…). --force would continue into it by content: "
+                            f"{matched.describe()}. Or use another --out")
+        if matched.changes:
+            if not same:
+                self.say(f"--force: {self.o.out} held another version of this data; by each line's content: "
+                         f"{matched.describe()}")
+            manifest.apply(matched, lambda i: sample_path(self.o.out, i))
+        # the data's, and this run's from now on (before waiting for the server): the service reads no earlier
+        # run's figures as this run's, and a rerun after a failed wait resumes into this data without --force
+        manifest.set_meta({"dataset_sha256": data.sha256, "samples_total": len(data), "tokens_total": data.tokens_total,
+                           "tokens_sq_total": sum(n * n for n in data.tokens),
+                           "data_path": str(Path(self.o.data).resolve()),
+                           **({"run": os.environ[RUN_ENV]} if os.environ.get(RUN_ENV) else {})})
+        return manifest
 
     def say(self, text: str) -> None:
         print(f"extract: {text}", file=self.log, flush=True)

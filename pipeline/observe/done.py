@@ -41,20 +41,22 @@ def source_of(ws: Workspace, stage: str) -> str:
     return {"extract": "manifest", "regenerate": "manifest", "train": "progress-jsonl"}.get(stage, "none")
 
 
-def progress_call(ws: Workspace, stage: str, files: dict | None, *, clock=time.time, readers: dict | None = None):
+def progress_call(ws: Workspace, stage: str, files: dict | None, *, clock=time.time, readers: dict | None = None,
+                  run: str | None = None):
     """A no-argument callable that reads the stage's progress (a Reading), or None where it has none. `readers`
-    keeps the incremental ones (a log tail, event files) between calls."""
+    keeps the incremental ones (a log tail, event files) between calls. With `run`, a manifest or this trainer's
+    progress.jsonl that another run wrote reads as unknown."""
     source, cfg = source_of(ws, stage), ws.stage(stage)
     readers = {} if readers is None else readers
     if source == "manifest":
         out = ws.resolve(getattr(cfg, "out", None))
         where = parts_dir(out) if stage == "regenerate" and out is not None else out
-        return lambda: read_manifest(where, clock=clock, stage=stage)
+        return lambda: read_manifest(where, clock=clock, stage=stage, run=run)
     if source == "progress-jsonl" and (cfg.progress_file or cfg.progress_fields):
         path = ws.resolve(cfg.progress_file) or (ws.resolve(getattr(cfg, "out", None) or ".") / "progress.jsonl")
         return lambda: read_jsonl_progress(path, cfg.progress_fields, clock=clock)
     if source == "progress-jsonl":
-        return lambda: read_train_progress(ws.resolve(getattr(cfg, "out", None)), clock=clock)
+        return lambda: read_train_progress(ws.resolve(getattr(cfg, "out", None)), clock=clock, run=run)
     if source == "tensorboard":
         if stage not in readers:
             readers[stage] = TensorboardProgress(ws.resolve(cfg.progress_dir), tag=cfg.progress_tag,

@@ -106,6 +106,12 @@ class Sampler:
             return lines_dir(ws.resolve(out))
         return ws.resolve(out) / "hidden_states" if stage == "extract" else ws.resolve(out)
 
+    def _judged(self, stage: str, row: StageProc) -> bool:
+        """Whether this ended process's final verdict is stored already (by this service before a restart): a
+        restarted service, or one whose config changed since, does not judge a finished stage again."""
+        v = self.store.verdict(stage)
+        return v is not None and v.proc_id == row.id and v.final
+
     def _scanner(self, stage: str, fdir: Path, ws: Workspace) -> FileScanner:
         """The stage's file scanner, a new one when its directory is another (`{run}` in it, a new run)."""
         held = self.scanners.get(stage)
@@ -127,6 +133,9 @@ class Sampler:
         """Observe, diagnose and record every active stage; returns {stage: (observation, verdict)}."""
         self.supervisor.refresh()
         rows = {s: self.store.latest_proc(s) for s in STAGE_NAMES}
+        for s, r in rows.items():
+            if r and r.has_ended and self.finished.get(s) != r.id and self._judged(s, r):
+                self.finished[s] = r.id  # judged at its end under the settings it ran with: never judged again
         active = {s: r for s, r in rows.items() if r and self.finished.get(s) != r.id}
         if not active:
             return {}
@@ -147,7 +156,7 @@ class Sampler:
         second = {}
         for stage in active:
             fn = progress_call(bound[stage], stage, _value(readings.get(f"{stage}.files")), clock=self.clock,
-                               readers=self.readers)
+                               readers=self.readers, run=active[stage].run_id)
             if fn:
                 second[f"{stage}.progress"] = fn
         readings.update(self.budget.gather(second, self.ws.config.monitor.probe_budget_s, self.clock))

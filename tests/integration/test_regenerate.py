@@ -97,9 +97,9 @@ def test_from_a_chat_file_to_a_measured_draft(tmp_path):
             if regen.progress_pct is not None:
                 progress.append((regen.verdict, regen.progress_pct, regen.done, regen.total))
             if "extract" not in seen and ctl.store.latest_proc("extract") is not None:
+                seen["server"] = ctl.store.latest_proc("server")  # as extraction starts (32 samples may end in 2 s)
                 time.sleep(2)  # more ticks: a second launch would show now
-                seen["extract"] = [ctl.store.latest_proc("extract")]
-                seen["server"] = ctl.store.latest_proc("server")
+                seen["extract"] = list(ctl.store.procs("extract"))
             train = ctl.store.latest_proc("train")
             return train is not None and train.state == "exited"
 

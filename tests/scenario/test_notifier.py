@@ -101,14 +101,23 @@ def test_status_post_is_updated_in_place_and_steps_go_in_its_thread(env):
     assert reply["thread_ts"] == first_ts
 
 
-def test_milestones_once_each(env):
+def test_milestones_once_each_and_only_the_open_runs(env):
+    """Milestones belong to the run that reached them: a closed run's extraction verdict (what a restarted service
+    finds, the next run not yet extracting) posts nothing, in no thread."""
     n, store, fake = env["notifier"](), env["store"], env["fake"]
     n.tick(store)
+    run = store.open_run()
     for pct in (10.0, 26.0, 27.0, 80.0):
-        store.put("verdict:extract", {"run": "r1", "progress_pct": pct})
+        store.put("verdict:extract", {"run": run, "progress_pct": pct})
         n.tick(store)
-    assert [c["text"] for c in fake.of("chat.postMessage")] == [
-        "extract passed 25 %", "extract passed 50 %", "extract passed 75 %"]
+    passed = lambda: [c["text"] for c in fake.of("chat.postMessage") if "passed" in c["text"]]  # noqa: E731
+    assert passed() == ["extract passed 25 %", "extract passed 50 %", "extract passed 75 %"]
+    store.close_run(run, reason="all stages stopped")
+    store.put("verdict:extract", {"run": run, "progress_pct": 100.0})
+    n.tick(store)
+    store.open_run()  # the next run, its extraction not started: the verdict is still the closed run's
+    n.tick(store)
+    assert passed() == ["extract passed 25 %", "extract passed 50 %", "extract passed 75 %"]
 
 
 def test_escalation_once_and_snooze_silences(env):

@@ -15,12 +15,19 @@ from pipeline.observe.probes import Reading, known, unknown
 from pipeline.stages.logfile import tail_lines
 
 
-def read_manifest(out_dir: Path | None, *, clock=time.time, stage: str = "extract") -> Reading:
-    """Extraction (or regeneration) progress from its manifest.sqlite in `out_dir`."""
+def read_manifest(out_dir: Path | None, *, clock=time.time, stage: str = "extract", run: str | None = None) -> Reading:
+    """Extraction (or regeneration) progress from its manifest.sqlite in `out_dir`: unknown while the manifest
+    is another run's (`run` given, and the manifest records that an earlier run wrote it), never that run's
+    figures as this run's."""
     if out_dir is None:
         return unknown(f"stages.{stage}.out is not configured", clock=clock)
     try:
-        return known(with_latency_profile(summarize(out_dir)), clock=clock)
+        summary = summarize(out_dir)
+        owner = summary.get("run")
+        if run and owner and owner != run:
+            return unknown(f"{out_dir}/manifest.sqlite is run {owner}'s: this run's {stage} has not taken it over "
+                           "yet", clock=clock)
+        return known(with_latency_profile(summary), clock=clock)
     except FileNotFoundError as exc:
         return unknown(str(exc), clock=clock)
     except (OSError, sqlite3.Error) as exc:
@@ -39,16 +46,18 @@ def with_latency_profile(summary: dict) -> dict:
 OWN_FIELDS = {"step": "step", "total": "total_steps", "loss": "loss"}  # this trainer's progress.jsonl
 
 
-def read_train_progress(ckpt_dir: Path | None, *, clock=time.time) -> Reading:
-    """Training progress from the last line of CKPT_DIR/progress.jsonl (this project's trainer)."""
+def read_train_progress(ckpt_dir: Path | None, *, clock=time.time, run: str | None = None) -> Reading:
+    """Training progress from the last line of CKPT_DIR/progress.jsonl (this project's trainer); unknown while that
+    line is another run's (each line names its run): a new training's first ticks, before the trainer moved the
+    earlier training aside, never read the earlier one's steps."""
     if ckpt_dir is None:
         return unknown("stages.train.out is not configured", clock=clock)
     return read_jsonl_progress(Path(ckpt_dir) / "progress.jsonl", clock=clock,
-                               validation=Path(ckpt_dir) / "validation.jsonl")
+                               validation=Path(ckpt_dir) / "validation.jsonl", run=run)
 
 
 def read_jsonl_progress(path: Path, fields: dict[str, str] | None = None, *, clock=time.time,
-                        validation: Path | None = None) -> Reading:
+                        validation: Path | None = None, run: str | None = None) -> Reading:
     """Progress from the last whole line of a JSON-lines log that carries a step: `fields` maps step, total and
     loss to the tool's names (this trainer's by default). A torn or foreign line is passed over."""
     names = {**OWN_FIELDS, **(fields or {})}
@@ -59,6 +68,9 @@ def read_jsonl_progress(path: Path, fields: dict[str, str] | None = None, *, clo
             continue  # a line being written
         step = rec.get(names["step"]) if isinstance(rec, dict) else None
         if isinstance(step, int) and not isinstance(step, bool) or isinstance(step, float) and step.is_integer():
+            if run and rec.get("run") and rec["run"] != run:
+                return unknown(f"{path} is run {rec['run']}'s: this run's training has not logged a step yet",
+                               clock=clock)
             total, loss = rec.get(names["total"]), rec.get(names["loss"])
             value = {"done": int(step), "failed": 0,
                      "total": int(total) if isinstance(total, (int, float)) and total > 0 else None, "unit": "steps",

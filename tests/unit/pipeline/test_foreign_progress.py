@@ -172,3 +172,30 @@ def test_the_handoffs_fresh_read_of_a_long_log_catches_up_too(tmp_path, monkeypa
     (tmp_path / "train.log").write_text("".join(f"step {k}/300 loss 0.1\n" for k in range(1, 301)))
     monkeypatch.setattr(progress, "READ_PER_CALL", 512)
     assert done.finished(load_workspace(cfg), "train") is None
+
+
+def test_a_reading_another_run_wrote_is_unknown_never_that_runs_figures(tmp_path):
+    """The trainer's progress lines and the extraction's manifest name the run that wrote them: read for another
+    run (a new training's first ticks, before the old training is moved aside; a new extraction still waiting for
+    its server over an earlier run's complete manifest), they are unknown with the reason, never 100 %."""
+    import json as _json
+    import sqlite3
+
+    from pipeline.manifest import SCHEMA
+    from pipeline.observe.probes.progress import read_manifest, read_train_progress
+
+    (tmp_path / "progress.jsonl").write_text(_json.dumps({"step": 60, "total_steps": 60, "run": "r1", "loss": 1.0})
+                                             + "\n")
+    assert read_train_progress(tmp_path, run="r1").value["done"] == 60
+    old = read_train_progress(tmp_path, run="r2")
+    assert old.value is None and "is run r1's" in old.unknown
+    out = tmp_path / "out"
+    out.mkdir()
+    conn = sqlite3.connect(out / "manifest.sqlite", isolation_level=None)
+    conn.executescript(SCHEMA)
+    conn.executemany("INSERT INTO meta VALUES (?, ?)", [("samples_total", "2"), ("run", "r1")])
+    conn.executemany("INSERT INTO samples (idx, status, tokens) VALUES (?, 'done', 5)", [(0,), (1,)])
+    conn.close()
+    assert read_manifest(out, run="r1").value["done"] == 2 and read_manifest(out).value["done"] == 2
+    other = read_manifest(out, run="r2")
+    assert other.value is None and "manifest.sqlite is run r1's" in other.unknown
