@@ -35,3 +35,33 @@ def test_disk_will_not_fit_is_one_condition_event(tmp_path):
     alerts = [e for e in store.events() if e["kind"] == "condition-alert"]
     assert len(alerts) == 1 and "will not fit on disk" in alerts[0]["data"]["reason"]
     store.close()
+
+
+def test_a_restarted_service_does_not_judge_a_finished_stage_again(tmp_path):
+    """Training finished and judged `done` (its final verdict stored); the config then changes (another tool's
+    progress source, whose total is unknown) and the service restarts: the finished stage is not judged again under
+    the new settings — no verdict event, so no false "train is dead" page — and status keeps its verdict."""
+    text = '[stages.train]\nout = "ckpt"\nargv = ["x"]\n[monitor]\nfake_gpus = 1\n'
+    ws = Workspace(config=parse_config(text, name="eagle3.toml"), path=tmp_path / "eagle3.toml")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "progress.jsonl").write_text(json.dumps({"step": 60, "total_steps": 60}) + "\n")
+    store = Store(ws.store_path)
+    run = store.open_run()
+    store.insert_proc({"run_id": run, "stage": "train", "state": "exited", "exit_code": 0, "pid": None,
+                       "argv": json.dumps(["x"]), "started_at": 1.0, "ended_at": 2.0, "stop_requested": 0})
+    first = Sampler(ws=ws, store=store)
+    try:
+        (_, verdict), = first.tick().values()
+    finally:
+        first.close()
+    assert verdict.verdict == "done" and store.verdict("train").final
+    events = len(store.events(kind="verdict"))
+    changed = text.replace('out = "ckpt"', 'out = "ckpt"\nprogress = "files"\ndone_when = "exit0-and-total"')
+    ws2 = Workspace(config=parse_config(changed, name="eagle3.toml"), path=tmp_path / "eagle3.toml")
+    again = Sampler(ws=ws2, store=store)
+    try:
+        assert again.tick() == {}
+    finally:
+        again.close()
+    assert len(store.events(kind="verdict")) == events and store.verdict("train").verdict == "done"
+    store.close()
