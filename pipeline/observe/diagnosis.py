@@ -317,7 +317,7 @@ class Diagnoser:
         if code != 0:
             how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
             if process.get("last_line"):
-                how += f"; its log ends: {process['last_line']}"
+                how += f"; its log says: {process['last_line']}"
             return self._base(t, prog, verdict="dead", reasons=(how,))
         why = not_done(rule, prog)  # the stage's done_when beyond exit 0 (another tool's exit 0 is its opinion)
         if why:

@@ -136,7 +136,7 @@ def test_a_failing_job_is_dead_with_its_exit_code_and_slurms_reason(cluster, tmp
     assert st["reason"] == "Slurm: FAILED (NonZeroExitCode), exit code 3", st["reason"]
     st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "dead" and s, timeout=30,
                   what="the verdict")
-    assert "exited with code 3; its log ends: about to exit 3" in st["reasons"][0], st["reasons"]
+    assert "exited with code 3; its log says: about to exit 3" in st["reasons"][0], st["reasons"]
 
 
 def test_a_job_the_cluster_no_longer_knows_is_unknown_never_running(cluster, tmp_path):

@@ -283,10 +283,10 @@ def test_alert_evidence_quoting_a_log_is_redacted(env, monkeypatch):
     token = "-".join(["xoxb", "42", "leaked"])
     n, store, fake = env["notifier"](), env["store"], env["fake"]
     n.tick(store)
-    verdict(store, "extract", "progressing", "dead", (f"exited with code 1; its log ends: auth failed for {token}",))
+    verdict(store, "extract", "progressing", "dead", (f"exited with code 1; its log says: auth failed for {token}",))
     n.tick(store)
     text = fake.of("chat.postMessage")[0]["text"]
-    assert "its log ends: auth failed for [redacted]" in text and token not in text
+    assert "its log says: auth failed for [redacted]" in text and token not in text
 
 
 def test_events_from_before_the_start_are_history_but_the_first_ticks_own_are_posted(env):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -30,14 +31,75 @@ def group_processes(pgid: int, since: float) -> list[psutil.Process]:
     return found
 
 
+FAILURE_TAIL_LINES = 200
+_ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+_RULE = re.compile(r"^[=\-_*#~.\s]*$")  # a line of only rules and spaces says nothing
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def last_log_line(path: str | None) -> str | None:
-    """The last non-empty line of a stage's log (its error, usually), at most 300 characters; None if unreadable."""
+    """What a failed stage's log says of its failure, in one line of at most 300 characters (None if unreadable):
+    torchrun's "Root Cause (first observed failure)" (the rank, its exit code or signal, and its traceback line);
+    else a Python traceback's last frame and its exception; else the last line that is not a rule of '='."""
     try:
-        lines = [line.strip() for line in tail_lines(Path(path), 5)] if path else []
+        lines = [line.rstrip() for line in tail_lines(Path(path), FAILURE_TAIL_LINES)] if path else []
     except OSError:
         return None
-    line = next((x for x in reversed(lines) if x), None)
-    return line if line is None or len(line) <= 300 else line[:299] + "…"
+    return root_cause(lines) or last_traceback(lines) or next(
+        (_clip(x.strip()) for x in reversed(lines) if x.strip() and not _RULE.match(x)), None)
+
+
+def root_cause(lines: list[str]) -> str | None:
+    """torchrun's root cause block: "rank 3 (local_rank: 3) failed: exitcode 1 (pid: 4242): <its traceback line>"."""
+    start = next((i for i in range(len(lines) - 1, -1, -1) if "Root Cause (first observed failure)" in lines[i]), None)
+    if start is None:
+        return None
+    fields = {}
+    for line in lines[start + 1:start + 12]:
+        m = _ROOT_FIELD.match(line)
+        if m and m.group(1) not in fields:
+            fields[m.group(1)] = m.group(2).strip()
+    if "rank" not in fields:
+        return None
+    text = f"torchrun root cause: rank {fields['rank']} failed, exitcode {fields.get('exitcode', '?')}"
+    why = fields.get("traceback", "")
+    if why and "To enable traceback" not in why:
+        text += f": {why}"
+    else:  # no error file: the rank's own traceback, where its output is in the same log ("[rank1]: …" lines)
+        rank = fields["rank"].split()[0]
+        prefix = f"[rank{rank}]: "
+        own = [line[len(prefix):] for line in lines[:start] if line.startswith(prefix)]
+        tb = last_traceback(own) if own else last_traceback(lines[:start])
+        said = next((x.strip() for x in reversed(own) if x.strip() and not _RULE.match(x)), None)
+        if tb and "ChildFailedError" not in tb:  # not torchrun's own traceback
+            text += f"; {tb}"
+        elif said:  # a one-line error of the rank's own (eagle3's trainer prints no traceback for bad input)
+            text += f"; rank {rank} said: {said}"
+    return _clip(text)
+
+
+def last_traceback(lines: list[str]) -> str | None:
+    """The last Python traceback's last frame and its exception: "ValueError: bad (loop.py:120 in step)"."""
+    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].lstrip().startswith("Traceback (most recent")),
+                 None)
+    if start is None:
+        return None
+    frame, message = None, None
+    for line in lines[start + 1:]:
+        m = _FRAME.match(line)
+        if m:
+            frame, message = m, None
+        elif line.strip() and not line.startswith((" ", "\t")) and frame is not None:
+            message = line.strip()
+            break
+    if message is None:
+        return None
+    where = f" ({Path(frame.group(1)).name}:{frame.group(2)} in {frame.group(3)})" if frame else ""
+    return _clip(message + where)
 
 
 def read_process(row: dict | None, *, clock=time.time) -> Reading:

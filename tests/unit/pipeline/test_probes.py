@@ -337,3 +337,58 @@ def test_train_progress_carries_the_last_validation(tmp_path):
     (tmp_path / "validation.jsonl").write_text('{"step": 4, "acc": [0.9, 0.8], "baseline_top1": 0.01}\n{"step": 5, "ac')
     v = read_train_progress(tmp_path).value
     assert v["acc_by_depth"] == [0.9, 0.8] and v["validated_at_step"] == 4 and v["done"] == 5
+
+
+TORCHRUN_FAILED = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/opt/eagle3-ops/pipeline/train/loop.py", line 455, in _loop
+[rank1]:     loss_sum, ent_sum, n, skipped = train_step(ddp, model, opt, sched, feed)
+[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB
+E1205 10:00:01.000000 4242 torch/distributed/elastic/multiprocessing/api.py:874] failed (exitcode: 1) local_rank: 1
+Traceback (most recent call last):
+  File "/opt/eagle3-ops/.venv/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+pipeline.train FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-05_10:00:01
+  host      : gpu-host
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 4243)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+@pytest.mark.parametrize(("log", "says"), [
+    (TORCHRUN_FAILED, "torchrun root cause: rank 1 (local_rank: 1) failed, exitcode 1 (pid: 4243); "
+                      "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (loop.py:455 in _loop)"),
+    (TORCHRUN_FAILED.replace("exitcode  : 1 (pid: 4243)", "exitcode  : -9 (pid: 4243) (SIGKILL)").replace(
+        "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "Signal 9 (SIGKILL) received by PID 4243"),
+     "torchrun root cause: rank 1 (local_rank: 1) failed, exitcode -9 (pid: 4243) (SIGKILL): "
+     "Signal 9 (SIGKILL) received by PID 4243"),
+    ('Traceback (most recent call last):\n  File "/x/prepare.py", line 12, in main\n    run()\n'
+     'ValueError: turn 2: content is not text\n==========\n', "ValueError: turn 2: content is not text "
+                                                            "(prepare.py:12 in main)"),
+    ("step 3\nsomething went wrong\n====================\n\n", "something went wrong"),
+    ("[rank1]: train: rank 1 needs cuda:1 but 1 GPU(s) are visible\n"
+     + TORCHRUN_FAILED[TORCHRUN_FAILED.index("E1205"):].replace("exitcode  : 1", "exitcode  : 2"),
+     "torchrun root cause: rank 1 (local_rank: 1) failed, exitcode 2 (pid: 4243); rank 1 said: train: rank 1 needs "
+     "cuda:1 but 1 GPU(s) are visible"),
+])
+def test_a_crash_is_summarised_by_its_cause_not_by_the_logs_last_rule(tmp_path, log, says):
+    """The crash alert quotes torchrun's root cause (rank, exit code or signal, and the rank's own error where the
+    log holds it), or the last traceback's exception and frame, never a closing line of '='."""
+    from pipeline.observe.probes.process import last_log_line
+
+    path = tmp_path / "train.log"
+    path.write_text(log)
+    assert last_log_line(str(path)) == says
