@@ -285,6 +285,13 @@ def cmd_diagnose(args) -> int:
     from handlers.render.views import run_label, verdict_line
     with _controller(args) as ctl:
         status = ctl.status()
+    if args.json:  # each stage's verdict as the replay's lines carry it, with its run
+        print(json.dumps({name: {"run": st.run, "state": st.state, "verdict": st.verdict,
+                                 "stuck": st.verdict in ("stalled", "dead") if st.verdict else None,
+                                 "progress_pct": st.progress_pct, "eta_s": st.eta_s, "eta_low_s": st.eta_low_s,
+                                 "eta_high_s": st.eta_high_s, "reasons": list(st.reasons)}
+                          for name, st in status.stages.items()}))
+        return 0
     for name, st in status.stages.items():
         print(f"{name}{run_label(st, status.run)}: {st.state}" + ("\n" + verdict_line(name, st) if st.started else ""))
     return 0

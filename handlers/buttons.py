@@ -103,7 +103,8 @@ def meaningless(ctl, action_id: str, action: dict) -> str | None:
     run_then = drawn.rsplit(":", 1)[0] if ":" in drawn else None
     run_now, step = ctl.state_version().rsplit(":", 1)
     if run_then != run_now:
-        return f"this message belongs to run {run_then or '(unknown)'}; the open run is {run_now}"
+        now = f"the open run is {run_now}" if run_now not in ("None", "") else "no run is open now"
+        return f"this message belongs to run {run_then or '(unknown)'}; {now}"
     if action_id == ACTION_CANCEL and step not in CANCELLABLE:
         return f"auto-start can no longer be cancelled (it is {step})"
     if action_id == ACTION_AUTOSTART and step in CANCELLABLE:
@@ -158,7 +159,7 @@ def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
 
 def _act(ctl, action_id: str, action: dict, user: str) -> str:
     if action_id == ACTION_KEEP:
-        return f"kept running ({_describe(action)} not done)"
+        return f"left as it is ({_describe(action)} not done)"
     if action_id == ACTION_SNOOZE:
         until = ctl.snooze(action.get("value") or "extract", by=f"slack:{user}")
         return f"alerts about {action.get('value')} snoozed until {slack_time(until)}"

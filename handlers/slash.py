@@ -32,7 +32,7 @@ def register(app, *, controller_factory, ws) -> None:
         user, channel = command.get("user_id", "?"), command.get("channel_id")
         ctl = controller_factory()  # who may ask this was checked by the app's middleware (handlers/auth.guard)
         try:
-            if verb == "train" and ctl.extraction_looks_complete():
+            if verb == "train" and not ctl.training_running() and ctl.extraction_looks_complete():
                 # asked to confirm with Slack's dialog; verification (too slow for Slack's 3 s) runs after the click
                 text = "extraction looks complete. Start training? (its sample files are verified first)"
                 return ack(text=text, blocks=train_blocks(text, ctl.state_version()))
@@ -121,8 +121,14 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         stage = args[0] if args else ""
         if stage not in STAGE_NAMES:
             return _name_a_stage(verb)
-        text = f"{verb.capitalize()} *{stage}*? Its whole process group gets SIGTERM, then SIGKILL after the grace period."
-        return text, text_blocks(text) + confirm_blocks(verb, stage, ctl.state_version())
+        st = status.stages.get(stage)
+        running = bool(st and st.state in ("running", "queued", "unknown"))
+        if not running and verb == "stop":
+            text = f"*{stage}* is not running ({st.state if st else 'not configured'}); there is nothing to stop."
+            return text, text_blocks(text)
+        text = (f"{verb.capitalize()} *{stage}*? Its whole process group gets SIGTERM, then SIGKILL after the grace "
+                "period." if running else f"Start *{stage}* again? It is {st.state if st else 'not started'} now.")
+        return text, text_blocks(text) + confirm_blocks(verb, stage, ctl.state_version(), running=running)
     if verb == "later":
         r = ctl.remind(args[0] if args else "1h", by=f"slack:{user}")
         text = f"I'll post the status again in {ago(r['due_at'] - r['created_at'])}."

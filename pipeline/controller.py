@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
-from pipeline.handoff.machine import Handoff, handoff_state
+from pipeline.handoff.machine import CANCELLABLE, Handoff, handoff_state
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
 from pipeline.states import MAYBE_ALIVE_STATES, StageProc, StageState
@@ -111,6 +111,7 @@ class Controller:
                                  f"extraction ({'; '.join(earlier.missing)}); `eagle3 start extract` opens a new run"]
             if not c.complete and not force:
                 self.store.audit(user=by, channel=None, action="start train", outcome="refused", detail="; ".join(c.missing))
+                c.autostart_armed = (handoff_state(self.store) or {}).get("step") in CANCELLABLE
                 raise TrainGuardError(c)
             if not c.complete:
                 self.store.audit(user=by, channel=None, action="start train --force", outcome="allowed",
@@ -208,6 +209,11 @@ class Controller:
         """Record who asked for what through chat, and how it ended (done, refused, stale, accepted…)."""
         self.store.audit(user=user, channel=channel, action=action, outcome=outcome, detail=detail)
 
+    def training_running(self) -> bool:
+        """Training's latest process may be alive (from the store: no probe)."""
+        proc = self.store.latest_proc("train")
+        return bool(proc) and proc.state in MAYBE_ALIVE_STATES
+
     def extraction_looks_complete(self) -> bool:
         """The cheap half of verified completion (the store and the manifest, no sample files opened): fast
         enough to answer within Slack's 3 s; `start("train")` runs the whole check."""
@@ -235,7 +241,9 @@ class Controller:
         (rendered when it is delivered, so an outage posts the latest picture, not a stale one)."""
         self._check_stage(stage)
         if self.store.latest_observation(stage) is None:
-            raise UserError(f"chart {stage}: nothing observed of {stage} yet; is `eagle3 serve` running?")
+            raise UserError(f"chart {stage}: nothing observed of {stage} yet; " + (
+                f"{stage} has not been started (a chart draws what the monitor observed of a stage)"
+                if self.monitor_running() else "is `eagle3 serve` running? It observes the stages"))
         run = self.store.latest_run()
         self.store.add_event(kind="chart-request", run_id=run, stage=stage, data={"by": by})
         return {"stage": stage, "run": run, "monitor_running": self.monitor_running()}

@@ -216,12 +216,23 @@ class Summary:
                                                                     self.skipped.most_common(5)) + ")")
 
 
+def refuse_json_array(data: Path) -> None:
+    """A file holding one JSON array (`[{…}, {…}]`, over one line or many) is not JSON lines: said in one line,
+    with the way to convert it, instead of "not JSON" for each of its lines."""
+    with open(data, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    if head.startswith(b"[") and not head.startswith(b"[]"):
+        raise UserError(f"--data {data}: a JSON array, not JSON lines; give JSONL, one conversation a line, e.g. "
+                        f"`jq -c '.[]' {data} > {data.with_suffix('.jsonl')}`")
+
+
 def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_length: int | None = None,
             system: str | None = None, trust_remote_code: bool = False, show: int = 0, say=None) -> Summary:
     """Render, mask and write every line of `data` into `out` (atomically) and `out`.meta.json."""
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
     if not data.is_file():
         raise UserError(f"--data {data}: no such file")
+    refuse_json_array(data)
     renderer = Renderer(load_tokenizer(target_model, trust_remote_code=trust_remote_code))
     total_bytes = data.stat().st_size or 1
     s = Summary()

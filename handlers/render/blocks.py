@@ -184,14 +184,16 @@ CONSEQUENCES = {"stop": "{stage} is stopped: SIGTERM to its process group, SIGKI
                 "restart": "{stage} is stopped (SIGTERM, then SIGKILL after the grace period) and started again."}
 
 
-def confirm_blocks(verb: str, stage: str, version: str) -> list:
-    """Confirm / keep buttons for stop and restart; the confirm button asks Slack's dialog first."""
+def confirm_blocks(verb: str, stage: str, version: str, *, running: bool = True) -> list:
+    """Confirm / keep buttons for stop and restart; the confirm button asks Slack's dialog first. A stage that is
+    not running is offered no "Keep it running"."""
     value = json.dumps({"v": version, "verb": verb, "stage": stage})
+    consequence = CONSEQUENCES[verb].format(stage=stage) if running else f"{stage} is started again."
     return [ActionsBlock(elements=[
         ButtonElement(text=f"{verb.capitalize()} {stage}", action_id=ACTION_CONFIRM, value=value, style="danger",
-                      confirm=confirm(f"{verb.capitalize()} {stage}?", CONSEQUENCES[verb].format(stage=stage),
-                                      f"{verb.capitalize()} {stage}")),
-        ButtonElement(text="Keep it running", action_id=ACTION_KEEP, value=value)]).to_dict()]
+                      confirm=confirm(f"{verb.capitalize()} {stage}?", consequence, f"{verb.capitalize()} {stage}")),
+        ButtonElement(text="Keep it running" if running else "Leave it stopped", action_id=ACTION_KEEP,
+                      value=value)]).to_dict()]
 
 
 def blocks_text(blocks: list, fallback: str = "") -> str:

@@ -238,9 +238,11 @@ def train_guard_text(c, *, cmd: str = CLI) -> str:
         head = "extraction has not run in this run" if c.run else "no run is open"
     else:
         head = "extraction is 0 % done (no manifest totals yet)"
+    then = ("Auto-start is armed: training starts by itself once extraction is verified complete"
+            if c.autostart_armed else
+            f"Run `{cmd}autostart on` to start training by itself once extraction is verified complete")
     return (f"refusing to start training: {head}. Not complete because: {'; '.join(c.missing)}. "
-            f"Run `{cmd}autostart on` to start training by itself once extraction is verified complete, "
-            f"or {_force(cmd)} to override (audited).")
+            f"{then}, or {_force(cmd)} to override (audited).")
 
 
 def _force(cmd: str) -> str:

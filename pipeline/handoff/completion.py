@@ -37,6 +37,7 @@ class Completion:
     eta_s: float | None = None
     server_running: bool = False  # this run's server is (maybe) alive: it still holds its GPUs
     run: str | None = None
+    autostart_armed: bool = False  # the train-now guard's caller fills it: auto-start already waits for this
 
     @property
     def pct(self) -> float:

@@ -208,7 +208,9 @@ class Supervisor:
 
     def stop_all(self, *, grace_s: float) -> list[StopResult]:
         """Stop every stage (training first, the server last) and close the run."""
-        results = [self.stop(stage, grace_s=grace_s) for stage in reversed(STAGE_NAMES)]
+        shown = [s for s in reversed(STAGE_NAMES)  # an optional stage never configured nor run is not listed
+                 if s != "regenerate" or self.ws.stage(s).argv or self.store.latest_proc(s) is not None]
+        results = [self.stop(stage, grace_s=grace_s) for stage in shown]
         run_id = self.store.current_run()
         if run_id:
             self.store.close_run(run_id, reason="all stages stopped")

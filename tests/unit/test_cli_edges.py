@@ -128,3 +128,14 @@ def test_serve_logs_no_library_request_lines_at_info():
             logging.getLogger(name).setLevel(logging.NOTSET)
         logging.root.handlers[:] = handlers
         logging.root.setLevel(level)
+
+
+def test_diagnose_json_live_is_json(tmp_path):
+    """`eagle3 diagnose --json` without --replay: each stage's verdict as JSON, not the text of `diagnose`."""
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text('[stages.extract]\nargv = ["x"]\n')
+    out = run("diagnose", "--json", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    stages = json.loads(out.stdout)
+    assert set(stages) >= {"server", "extract", "train"}
+    assert stages["extract"]["state"] == "not-started" and stages["extract"]["verdict"] is None

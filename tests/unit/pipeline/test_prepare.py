@@ -218,3 +218,13 @@ def test_the_toy_target_carries_a_tokenizer_and_template_that_prepare_reads(tmp_
         assert [r[-1] for r in runs] == [EOT] * len(answers)
         assert [tok.decode(r[:-1]) for r in runs] == answers
         assert tok.decode(row["input_ids"]).startswith("<|im_start|>")
+
+
+@pytest.mark.parametrize("text", ['[{"messages": []},\n {"messages": []}]\n', '[\n  {"messages": []}\n]\n'])
+def test_a_json_array_is_named_as_such_with_the_way_to_convert_it(tmp_path, text):
+    from pipeline.errors import UserError
+
+    (tmp_path / "chats.json").write_text(text)
+    with pytest.raises(UserError) as refused:
+        prepare(target_model=str(tmp_path / "no-model"), data=tmp_path / "chats.json", out=tmp_path / "o.jsonl")
+    assert "a JSON array, not JSON lines" in str(refused.value) and "jq -c '.[]'" in str(refused.value)
