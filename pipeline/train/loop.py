@@ -469,7 +469,8 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
                                       "tokens_per_s": rate, "error": f"loss is {mloss} at step {step}"})
                     raise TrainError(f"training stopped: loss is {mloss} at step {step} (NaN or exploding); "
                                      "lower --lr or check the data; the next start resumes from the last checkpoint")
-                _write(progress, {"step": step, "total_steps": args.steps, "run": ctx.origin.get("run"),
+                _write(progress, {"step": step, "total_steps": args.steps,
+                                  **({"run": ctx.origin["run"]} if ctx.origin.get("run") else {}),
                                   "loss": round(mloss, 6),
                                   "kl": round(mloss - ment, 6), "tokens_per_s": round(rate, 1),
                                   "lr": float(f"{sched.get_last_lr()[0]:.6g}"),

@@ -89,6 +89,10 @@ def test_stop_start_crash_and_relaunch_resume_training_and_another_runs_is_set_a
     kept = sorted(int(p.name.removeprefix("step_")) for p in (ckpt / "checkpoints").iterdir())
     assert len(kept) <= 3 and kept[-1] == saved_step(ckpt), f"--keep-last 3 (the default) bounds them: {kept}"
     assert "deleted" in log_text(cfg) and "--keep-last 3" in log_text(cfg)
+    lines = [json.loads(line) for line in (ckpt / "progress.jsonl").read_text().splitlines()]
+    assert lines[0].get("disk_need_bytes") is None and isinstance(lines[-1]["disk_need_bytes"], int), \
+        "from the first save on, each line says what the kept checkpoints and the draft will still need"
+    assert {r["run"] for r in lines} == {run}, "each progress line names its run"
 
     # the next run (stop --all closed this one): this run's checkpoint is another run's, so the trainer
     # moves it whole to OUT/previous/<time>/ and starts at step 1 — never resuming another run's training

@@ -64,7 +64,8 @@ def test_torchrun_learns_the_target_and_a_sigterm_then_resume_matches_the_uninte
     assert "Warning" not in out, out  # the operator's log holds the trainer's lines, not torch's deprecations
     la = progress(ckpt)
     assert [r["step"] for r in la] == list(range(1, 31))
-    assert all(set(r) == {"step", "total_steps", "loss", "kl", "tokens_per_s", "lr"} and r["lr"] >= 0 for r in la)
+    assert all(set(r) - {"disk_need_bytes"} == {"step", "total_steps", "loss", "kl", "tokens_per_s", "lr"}
+               and r["lr"] >= 0 for r in la)
     assert max(r["lr"] for r in la) > la[-1]["lr"]  # the schedule as logged: up, then down (cosine ends at 0)
     assert la[-1]["kl"] <= 0.5 * la[0]["kl"], (la[0], la[-1])
     val = json.loads((ckpt / "validation.jsonl").read_text().splitlines()[-1])
