@@ -86,6 +86,8 @@ def test_systemd_unit_runs_serve_and_never_kills_the_stages():
     assert "--http --port 3000 --host" in text_of_unit(), "the unit shows HTTP mode too"
     assert service["Restart"] == "on-failure"
     assert service["KillMode"] == "process"
+    assert service["OOMPolicy"] == "continue" and service["UMask"] == "0027"  # an OOM-killed rank; the audit rows
+    assert u["Unit"]["RequiresMountsFor"].startswith("/")
     assert service["EnvironmentFile"].startswith("/")
     text = (DEPLOY / "eagle3.service").read_text()
     before = text[: text.index("\nKillMode=process")].splitlines()
