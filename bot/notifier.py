@@ -126,7 +126,10 @@ class Notifier:
         proc = store.latest_proc(stage) if stage else None
         if not proc or not proc.started_at:
             return None
-        return (proc.ended_at or event["t"]) - proc.started_at
+        # from the run's first start of the stage: a restart in between does not reset what it took
+        first = min((p.started_at for p in store.procs(stage) if p.run_id == proc.run_id and p.started_at),
+                    default=proc.started_at)
+        return (proc.ended_at or event["t"]) - first
 
     def _resolve(self, store: Store, stage: str, text: str, event: dict) -> bool:
         """Update the stage's open alert to "resolved after N" and reply under it with `text`; False when no

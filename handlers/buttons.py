@@ -145,10 +145,11 @@ def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
     v = _value(action)
     ctl = controller_factory()
     try:
-        result = stop_text(ctl.stop(str(v.get("stage")), by=f"slack:{user}"))
         if v.get("verb") == "restart":
-            proc = ctl.start(v["stage"], by=f"slack:{user}")
-            result += f"; started again ({proc.who})"
+            stopped, proc = ctl.restart(str(v.get("stage")), by=f"slack:{user}")
+            result = stop_text(stopped) + f"; started again ({proc.who})"
+        else:
+            result = stop_text(ctl.stop(str(v.get("stage")), by=f"slack:{user}"))
     except Exception as exc:  # noqa: BLE001 - reported in Slack as one line
         result = f"{_describe(action)} failed: {exc}"
     finally:

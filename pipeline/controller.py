@@ -258,6 +258,18 @@ class Controller:
             result.note = "; ".join(filter(None, [result.note, "auto-start cancelled"]))
         return result
 
+    def restart(self, stage: str, *, by: str = "cli") -> tuple[StopResult, StageProc]:
+        """Stop a stage and start it again, as one act: auto-start following training keeps following it (the
+        stop of a restart is not the training's end)."""
+        self._check_stage(stage)
+        old = self.store.latest_proc(stage)
+        self.store.put(KV.restarting(stage), {"of": old.id if old else None, "t": self.store.clock()})
+        try:
+            result = self.supervisor.stop(stage, grace_s=self._grace(stage, None))
+            return result, self.start(stage, by=by)
+        finally:
+            self.store.put(KV.restarting(stage), None)
+
     def stop_all(self, *, grace_s: float | None = None, by: str = "cli") -> list[StopResult]:
         """Stop every stage and close the run (its auto-start is cancelled first)."""
         cancelled = self._cancel_handoff(by=f"{by} (stop --all)")

@@ -141,6 +141,7 @@ class KV:
     milestones = _family("milestones:")  # (run) the progress milestones posted
     open_alert = _family("open-alert:")  # (stage) the alert to resolve in place
     ts = _family("ts:")  # (update_key) the chat service's ts of the message with this update key
+    restarting = _family("restarting:")  # (stage) a restart by hand under way {of: proc id, t}: its stop is no ending
 
 
 KV.FAMILIES = tuple(v.__func__.prefix for v in vars(KV).values() if isinstance(v, staticmethod))

@@ -65,6 +65,7 @@ TRAINING_DONE, TRAINING_FAILED = HandoffStep.TRAINING_DONE, HandoffStep.TRAINING
 CANCELLABLE = frozenset(s for s in HandoffStep if s.cancellable)
 FOLLOWED = frozenset(s for s in HandoffStep if s.followed)
 KEY = KV.HANDOFF
+RESTART_WAIT_S = 900.0  # how long a restart by hand may take (its stop waits for a checkpoint) before it is an end
 # The handoff's edges, as the stages have theirs (pipeline/states.py): `_set` refuses any other.
 # None is "no handoff of this run" (off, or a finished one of an earlier run): arming starts from it.
 _EDGES = {
@@ -309,6 +310,15 @@ class Handoff:
         proc = self.store.proc(state.get("train_proc_id") or 0)
         if not proc or (proc.state in MAYBE_ALIVE_STATES and proc.ended_at is None):
             return
+        latest = self.store.latest_proc("train", run=proc.run_id)
+        if latest is not None and latest.id != proc.id:  # restarted (by hand or by the restart policy): follow it
+            self._set(TRAINING, f"training restarted ({latest.who}); auto-start follows it to its end",
+                      train_proc_id=latest.id)
+            return
+        restarting = self.store.get(KV.restarting("train")) or {}
+        if proc.stop_requested and restarting.get("of") == proc.id and \
+                self.clock() - restarting.get("t", 0) < RESTART_WAIT_S:
+            return  # a restart by hand: the next tick follows the process it starts
         if proc.stop_requested:
             self._set(CANCELLED, f"training stopped on request ({proc.reason})")
         elif proc.state == StageState.EXITED and proc.exit_code == 0:

@@ -362,3 +362,40 @@ def test_start_train_with_no_run_open_trains_on_the_last_runs_verified_extractio
         assert "did not exit 0" in why and store.current_run() is None and len(started) == 1
     finally:
         store.close()
+
+
+def test_a_restart_of_training_by_hand_is_followed_to_its_end_not_taken_for_a_cancel(tmp_path, verify_passes):
+    """Auto-start launched training; the operator restarts it (`/eagle3 restart train`): the stop of the restart is
+    not the training's end — the handoff follows the new process and ends `training-done` with the draft, and the
+    ending's duration counts from the run's first start of training, not from the restart."""
+    from bot.notifier import Notifier
+    from pipeline.handoff.machine import LAUNCHING, TRAINING, TRAINING_DONE, WAITING
+
+    ws, store = used_ws(tmp_path)
+    now = [1000.0]
+    sup = type("S", (), {"refresh": lambda self: None})()
+    h = Handoff(ws=ws, store=store, supervisor=sup, clock=lambda: now[0])
+    try:
+        run = store.open_run()
+        h.arm(by="test")
+        for step in (WAITING, "stopping-server", "waiting-for-gpu-release", LAUNCHING):
+            h._set(step, "test")
+        first = store.insert_proc({"run_id": run, "stage": "train", "state": "running", "argv": "[]",
+                                   "started_at": 100.0, "stop_requested": 0})
+        h._set(TRAINING, "launched", train_proc_id=first)
+        store.put("restarting:train", {"of": first, "t": now[0]})  # Controller.restart, under way
+        store.update_proc(first, state="stopped", stop_requested=1, ended_at=1000.0, reason="stopped on request")
+        h._training(h.state())
+        assert h.state()["step"] == TRAINING, "the restart's stop is not a cancel"
+        second = store.insert_proc({"run_id": run, "stage": "train", "state": "running", "argv": "[]",
+                                    "started_at": 1001.0, "stop_requested": 0})
+        store.put("restarting:train", None)
+        h._training(h.state())
+        assert h.state()["train_proc_id"] == second and "restarted" in h.state()["reason"]
+        store.update_proc(second, state="exited", exit_code=0, ended_at=1061.0)
+        h._training(h.state())
+        assert h.state()["step"] == TRAINING_DONE
+        ending = store.events(kind="handoff")[-1]
+        assert Notifier._took(type("N", (), {})(), store, ending) == 961.0  # 100 → 1061, not the last minute
+    finally:
+        store.close()
