@@ -48,11 +48,17 @@ def answer(stage: str, st: StageStatus) -> str:
 
 
 def _focus(status: RunStatus) -> tuple[str, StageStatus]:
+    """The stage the status post is about: the furthest one running (regeneration too), else the furthest one
+    this run started, else the furthest one ever started."""
     stages = status.stages
-    for name in ("train", "extract", "server"):
+    order = [n for n in ("train", "extract", "regenerate", "server") if n in stages]
+    for name in order:
         if stages[name].running:
             return name, stages[name]
-    for name in ("train", "extract", "server"):
+    for name in order:
+        if stages[name].started and stages[name].run == status.run:
+            return name, stages[name]
+    for name in order:
         if stages[name].started:
             return name, stages[name]
     return "extract", stages["extract"]

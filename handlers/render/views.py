@@ -234,6 +234,8 @@ def train_guard_text(c, *, cmd: str = CLI) -> str:
             head += f"; starting training now would train on {c.pct:.0f} % of the data"
             if c.server_running:
                 head += " while the server holds the GPUs"
+    elif any(m.startswith("waiting for regeneration") for m in c.missing):
+        head = "regeneration is still running: extraction has not started"
     elif c.run is None or any(m.startswith(("extraction has not run", "no run is open")) for m in c.missing):
         head = "extraction has not run in this run" if c.run else "no run is open"
     else:

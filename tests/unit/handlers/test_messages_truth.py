@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(30)
 
 
 # the config of the `ctl` fixture's controller (tests/conftest.py)
-CONFIG = "[stages.server]\nargv = [\"x\"]\n[stages.extract]\nargv = [\"y\"]\n[stages.train]\nargv = [\"z\"]\n"
+CONFIG = ("[stages.server]\nargv = [\"x\"]\n[stages.regenerate]\nargv = [\"r\"]\nout = \"regenerated.jsonl\"\n"
+          "[stages.extract]\nargv = [\"y\"]\n[stages.train]\nargv = [\"z\"]\n")
 
 
 def add(ctl, stage: str, **row) -> int:
@@ -90,3 +91,20 @@ def test_a_failed_demo_training_names_the_failing_ranks_last_line(ctl):
                    "visible\nE1204 torch.distributed.elastic: failed (exitcode: 2)\ntorch.distributed.elastic.multiprocessing."
                    "errors.ChildFailedError:\n\n")
     assert _last_line(ctl) == "[rank1]: train: rank 1 needs cuda:1 but 1 GPU(s) are visible"
+
+
+def test_a_closed_runs_stage_is_labelled_and_the_status_post_is_about_this_runs(ctl):
+    """After a run closed, the next run's post is about its own stages (regeneration while it runs, not the
+    server), and the earlier run's finished training is labelled "(run r…, closed)" wherever it is listed."""
+    add(ctl, "train", state="exited", exit_code=0, ended_at=9.0, reason="exit code 0")
+    old = ctl.store.current_run()
+    ctl.store.close_run(old, reason="training finished (exit 0)")
+    new = ctl.store.open_run()
+    add(ctl, "server")
+    add(ctl, "regenerate")
+    status = ctl.status(sample_if_unmonitored=False)
+    text, _ = status_blocks(status, version=ctl.state_version())
+    assert text.startswith("regenerate:"), text
+    assert f"(run {old}, closed)" in status_text(status) and f"run: {new}" in status_text(status)
+    stuck, _ = answer(ctl, "stuck", [], user="U1")
+    assert f"*train* (run {old}, closed)" in stuck and f"*server* (run {new}" not in stuck

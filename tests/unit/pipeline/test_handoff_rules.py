@@ -399,3 +399,22 @@ def test_a_restart_of_training_by_hand_is_followed_to_its_end_not_taken_for_a_ca
         assert Notifier._took(type("N", (), {})(), store, ending) == 961.0  # 100 → 1061, not the last minute
     finally:
         store.close()
+
+
+def test_while_regeneration_runs_the_guard_says_so_with_its_count_not_start_extract(tmp_path, verify_passes):
+    from handlers.render.views import train_guard_text
+
+    ws, store = used_ws(tmp_path)
+    try:
+        run = store.open_run()
+        regen = store.insert_proc({"run_id": run, "stage": "regenerate", "state": "running", "argv": "[]",
+                                   "started_at": 1.0, "stop_requested": 0})
+        store.put("verdict:regenerate", {"proc_id": regen, "run": run, "verdict": "progressing", "done": 89,
+                                         "failed": 0, "total": 241})
+        c = completion.check(ws, store)
+        assert c.missing == ["waiting for regeneration (89 / 241 conversations): extraction follows it, by itself "
+                             "when auto-start is armed"]
+        text = train_guard_text(c)
+        assert "regeneration is still running" in text and "start extract" not in text
+    finally:
+        store.close()
