@@ -328,6 +328,7 @@ class Controller:
             autostart="off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
             autostart_reason=(handoff or {}).get("reason"), outbox=self.store.outbox_summary(),
             transport=self._transport(monitored), slack_auth=self.store.get(KV.SLACK_AUTH) if monitored else None,
+            config_changed=self.store.get(KV.CONFIG_CHANGED) if monitored else None,
             stages={stage: self._stage_status(stage, now) for stage in STAGE_NAMES if self._shown(stage)})
 
     def _shown(self, stage: str) -> bool:

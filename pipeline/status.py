@@ -123,6 +123,7 @@ class RunStatus:
     outbox: dict = field(default_factory=dict)  # pending, failed, last_error
     transport: dict | None = None  # how serve receives Slack's commands, while it runs
     slack_auth: dict | None = None
+    config_changed: dict | None = None  # the config file no longer reads as serve started with it {t, error, file}
 
     def started(self) -> dict[str, StageStatus]:
         """The stages that were ever started, in pipeline order."""
@@ -141,9 +142,12 @@ class RunStatus:
 
     def to_json(self) -> dict[str, Any]:
         """`eagle3 status --json`."""
-        return {"run": self.run, "monitor": self.monitor, "autostart": self.autostart,
-                "autostart_reason": self.autostart_reason, "outbox": self.outbox, "transport": self.transport,
-                "slack_auth": self.slack_auth, "stages": {n: st.to_json() for n, st in self.stages.items()}}
+        out = {"run": self.run, "monitor": self.monitor, "autostart": self.autostart,
+               "autostart_reason": self.autostart_reason, "outbox": self.outbox, "transport": self.transport,
+               "slack_auth": self.slack_auth, "stages": {n: st.to_json() for n, st in self.stages.items()}}
+        if self.config_changed:  # the key is absent while the file reads as serve started with it
+            out["config_changed"] = self.config_changed
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> RunStatus:

@@ -131,6 +131,7 @@ class KV:
     CHART_LATEST = "chart:latest"  # the last chart uploaded {file_id, stage, t, path}
     NOTIFIER_AFTER = "notifier_after"  # the last event the notifier turned into messages
     CHART_SCOPE_NOTED = "chart_scope_noted"  # the missing files:write scope was said once
+    CONFIG_CHANGED = "config_changed"  # the config file changed since serve started {t, sha, error, file}
 
     # families: KV.<name>(*parts) is the prefix and the parts joined by ":" (what each entry is about)
     verdict = _family("verdict:")  # (stage) the stage's StoredVerdict

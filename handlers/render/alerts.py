@@ -45,6 +45,11 @@ def event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), h
         return "handoff", f"auto-start: *extraction started* — {d['reason']}; the server stays up", "run"
     if kind in ("handoff-alert", "restart-limit", "condition-alert"):
         return "alert", f":rotating_light: {mention(oncall)}{on} {d['reason']}", None
+    if kind == "config-changed":
+        bad = f" It does not load: {d['error']}." if d.get("error") else ""
+        return "warning", (f":warning:{on} `{d.get('file')}` changed since `eagle3 serve` started.{bad} serve, auto-start "
+                           "and these commands keep the settings serve started with; the CLI reads the file. Restart "
+                           "the service (`sudo systemctl restart eagle3`) to use the new settings everywhere."), None
     if kind == "transport-warning":
         return "warning", f":warning:{on} {d['reason']}", None
     if kind == "stage-restart":

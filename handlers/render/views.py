@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from pipeline.status import RunStatus, StageStatus
 from pipeline.verdict import Verdict, fmt_bytes
@@ -101,6 +102,11 @@ def status_text(status: RunStatus) -> str:
     auth = status.slack_auth or {}
     if auth.get("ok") is False:
         lines.append(f"slack: the bot token was refused ({auth.get('error')}); {slack_hint(auth.get('error') or '')}")
+    changed = status.config_changed
+    if changed:
+        lines.append(f"config: {Path(changed['file']).name} changed at {clock_time(changed['t'])}, after serve started"
+                     + (f" (it does not load: {changed['error']})" if changed.get("error") else "")
+                     + "; serve keeps its settings until restarted, the CLI reads the file")
     box = status.outbox
     if box.get("pending") or box.get("failed"):
         lines.append(outbox_line(box))

@@ -65,3 +65,34 @@ def test_a_restarted_service_does_not_judge_a_finished_stage_again(tmp_path):
         again.close()
     assert len(store.events(kind="verdict")) == events and store.verdict("train").verdict == "done"
     store.close()
+
+
+def test_a_config_edited_while_serve_runs_is_said_once_and_cleared_when_changed_back(tmp_path):
+    """The file serve started with changes: one event (the channel's warning) and status says so, naming a file
+    that no longer loads; the same change is not said again; the file changed back clears it."""
+    import os
+
+    from pipeline.config import load_workspace
+    from pipeline.monitor import Monitor
+
+    cfg = tmp_path / "eagle3.toml"
+    original = '[stages.extract]\nargv = ["x"]\n[monitor]\nfake_gpus = 1\n'
+    cfg.write_text(original)
+    ws = load_workspace(cfg)
+    store = Store(ws.store_path)
+    monitor = Monitor(ws=ws)
+    try:
+        monitor.check_config(store)
+        assert store.get("config_changed") is None and not store.events(kind="config-changed")
+        cfg.write_text(original + "[stages.train]\nargv = [1]\n")
+        os.utime(cfg, ns=(1, 1))
+        monitor.check_config(store)
+        monitor.check_config(store)
+        (event,) = store.events(kind="config-changed")
+        assert "stages.train.argv" in event["data"]["error"] and store.get("config_changed")["error"]
+        cfg.write_text(original)
+        os.utime(cfg, ns=(2, 2))
+        monitor.check_config(store)
+        assert store.get("config_changed") is None and len(store.events(kind="config-changed")) == 1
+    finally:
+        store.close()
