@@ -370,7 +370,8 @@ class Controller:
         alive = proc.state in MAYBE_ALIVE_STATES
         if not v or v.proc_id != proc.id:
             said = (Verdict.STARTING, "just started; not observed yet") if alive and proc.state != StageState.UNKNOWN \
-                else (Verdict.UNKNOWN, "not observed yet")  # just started: the next tick observes it
+                else (Verdict.UNKNOWN, f"ended ({proc.reason or proc.state}); not observed since" if proc.ended_at
+                      else "not observed yet")  # just started: the next tick observes it
             return replace(st, diagnosis=StoredVerdict(t=None, stage=stage, verdict=said[0], reasons=(said[1],)))
         if not alive and not v.final and v.verdict not in (Verdict.STOPPED, Verdict.DONE, Verdict.DEAD):
             # The verdict was made while it ran; until the next tick observes the end, say what is known.

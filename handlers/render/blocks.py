@@ -44,7 +44,16 @@ def answer(stage: str, st: StageStatus) -> str:
         "dead": f"Dead: {stage} ended abnormally{where}.",
         "done": f"Done: {stage} finished and its output is complete.",
         "stopped": f"Stopped on request: {stage} is not running, as asked.",
-    }.get(v, f"Unknown: the readings needed for {stage} are unavailable.")
+    }.get(v) or _unknown(stage, st)
+
+
+def _unknown(stage: str, st: StageStatus) -> str:
+    """Unknown, with its reason: the verdict's own (an ended stage not yet observed, a reading that failed), or
+    the readings' gaps; never "unavailable" with nothing after it."""
+    why = "; ".join(st.reasons) or "; ".join(f"{k}: {v}" for k, v in (st.gaps or {}).items())
+    if not why and st.ended_at is not None:
+        why = f"it ended ({st.reason or st.state}) and its end has not been observed yet"
+    return f"Unknown: {stage}'s state cannot be read now" + (f" — {why}." if why else " (no reason recorded).")
 
 
 def _focus(status: RunStatus) -> tuple[str, StageStatus]:

@@ -108,3 +108,17 @@ def test_a_closed_runs_stage_is_labelled_and_the_status_post_is_about_this_runs(
     assert f"(run {old}, closed)" in status_text(status) and f"run: {new}" in status_text(status)
     stuck, _ = answer(ctl, "stuck", [], user="U1")
     assert f"*train* (run {old}, closed)" in stuck and f"*server* (run {new}" not in stuck
+
+
+def test_unknown_always_says_why(ctl):
+    """An ended stage whose end is not observed yet, and a verdict without reasons: the sentence says why."""
+    from handlers.render.blocks import answer as sentence
+
+    proc = add(ctl, "extract", state="exited", exit_code=1, ended_at=9.0, reason="exited with code 1")
+    status = ctl.status(sample_if_unmonitored=False)
+    text = sentence("extract", status.stages["extract"])
+    assert text.startswith("Unknown: extract's state cannot be read now — ") and "exited with code 1" in text
+    ctl.store.put_verdict("extract", StoredVerdict.from_json({"proc_id": proc, "verdict": "unknown", "reasons": [],
+                                                              "t": 8.0, "final": True}))
+    bare = sentence("extract", ctl.status(sample_if_unmonitored=False).stages["extract"])
+    assert "exited with code 1" in bare and "(no reason recorded)" not in bare

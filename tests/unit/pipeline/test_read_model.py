@@ -77,7 +77,7 @@ def test_the_status_json_keeps_each_branchs_keys_and_reads_back(tmp_path):
     assert list(out) == RUN and out["run"] == run
     assert list(out["stages"]["train"]) == NOT_STARTED and out["stages"]["train"]["state"] == "not-started"
     assert list(out["stages"]["server"]) == UNOBSERVED
-    assert out["stages"]["server"]["verdict"] == "unknown" and out["stages"]["server"]["reasons"] == ["not observed yet"]
+    assert out["stages"]["server"]["verdict"] == "unknown" and out["stages"]["server"]["reasons"] == ["ended (exit code 0); not observed since"]
     assert list(out["stages"]["extract"]) == OBSERVED
     assert out["stages"]["extract"]["verdict"] == "done" and out["stages"]["extract"]["observed_at"] == 9.5
     # typed on the way in: the views read attributes and predicates, never keys
