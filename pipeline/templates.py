@@ -64,13 +64,14 @@ out = "<EXTRACT_OUT>"
 restart = "on-failure"
 
 [stages.train]
-# --token-budget: padded tokens per batch per GPU; 2048 on 80–96 GB GPUs at H = 7,168, 4096 for
-# Llama-3.1-8B (README: settings for real targets). Other flags: --lr 1e-4, --warmup-ratio 0.015
+# --token-budget: padded tokens per batch per GPU; 4096 on 80–96 GB GPUs at H = 7,168 (Kimi-K2.5), 8192 for
+# Llama-3.1-8B on 80 GB (README: settings for real targets). Other flags: --lr 1e-4, --warmup-ratio 0.015
 # (then cosine), --max-grad-norm 0.5, --grad-accum 1, --max-length 2048, --seed 0, --save-every 50, --eval-every 0
-# (at the end), --log-every 1, --resume, --skip-bad (docs/operator.md: trainer flags).
+# (at the end), --log-every 1, --keep-last 3, --keep-previous 2, --skip-bad; training resumes by default, --fresh
+# starts over, --resume refuses (rather than moves aside) a checkpoint of another shape (docs/operator.md).
 argv = ["{BIN}/torchrun", "--standalone", "--nproc-per-node", "4", "-m", "pipeline.train",
         "--data", "<EXTRACT_OUT>", "--target-model", "<MODEL_PATH>", "--out", "<CKPT_DIR>",
-        "--steps", "<STEPS>", "--token-budget", "2048"]
+        "--steps", "<STEPS>", "--token-budget", "4096"]
 gpus = [0, 1, 2, 3]
 out = "<CKPT_DIR>"
 """

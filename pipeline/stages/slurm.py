@@ -120,7 +120,9 @@ def query(job_id: str) -> JobInfo:
         fields = dict(re.findall(r"(\w+)=(\S*)", r.stdout))
         code, sig = _exit(fields.get("ExitCode"))
         host = fields.get("BatchHost")
-        return JobInfo(state=fields.get("JobState", ""), reason=fields.get("Reason"), exit_code=code, signal=sig,
+        reason = fields.get("Reason")  # scontrol writes "Reason=None" for a job with no reason to wait
+        return JobInfo(state=fields.get("JobState", ""), reason=None if reason in (None, "", "None") else reason,
+                       exit_code=code, signal=sig,
                        host=host if host and host != "(null)" else None)
     why = _first_line(r.stderr) or "no answer"
     try:

@@ -55,7 +55,7 @@ class SlurmExecutor:
         elif info.pending:
             # Slurm's reason changes while the job waits (None → Priority → Resources)
             transition(self.store, proc, StageState.QUEUED,
-                       reason=f"queued: Slurm job {proc.job_id} is {info.state} ({info.reason or 'no reason given'})")
+                       reason=f"queued: Slurm job {proc.job_id} is {info.state} ({info.reason or 'waiting to be scheduled'})")
         elif info.active:
             if info.host and proc.job_host != info.host:
                 self.store.update_proc(proc.id, job_host=info.host)
