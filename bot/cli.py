@@ -273,6 +273,37 @@ def configure_logging(level: int) -> None:
     logging.getLogger("eagle3").setLevel(level)
     for name in LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET if level <= logging.DEBUG else logging.WARNING)
+    if level > logging.DEBUG:  # an outage of Slack: the same error once per window, with how many were held back
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(OncePerWindow(prefixes=("slack_sdk", "slack_bolt")))
+
+
+class OncePerWindow:
+    """A logging filter: a library's record (by logger and message, digits aside) passes once per `window_s`;
+    the next one to pass says how many like it were held back. slack_sdk logs each failed retry at ERROR (12 a
+    minute during an outage); the outbox already keeps the count and the last error for `eagle3 status`."""
+
+    def __init__(self, *, prefixes: tuple[str, ...], window_s: float = 300.0, clock=None) -> None:
+        import time
+
+        self.prefixes, self.window_s, self.clock = prefixes, window_s, clock or time.monotonic
+        self.seen: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def filter(self, record) -> bool:
+        import re
+
+        if not record.name.startswith(self.prefixes):
+            return True
+        key = (record.name, re.sub(r"\d+", "#", str(record.msg))[:120])
+        now = self.clock()
+        last, held = self.seen.get(key, (None, 0))
+        if last is not None and now - last < self.window_s:
+            self.seen[key] = (last, held + 1)
+            return False
+        self.seen[key] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like it in the last {self.window_s / 60:.0f} min held back)"
+        return True
 
 
 @command("diagnose", "verdicts: of the live workspace, or --replay a recorded observation trace",

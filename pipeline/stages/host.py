@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -136,6 +137,9 @@ class RealHost:
             argv, cwd=cwd, env=without_secrets(os.environ), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
         )
+        # reaped when it ends: in the long-lived service a runner that exited would otherwise stay a zombie
+        # (until the next spawn happened to collect it)
+        threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
         return proc.pid
 
 

@@ -139,3 +139,27 @@ def test_diagnose_json_live_is_json(tmp_path):
     stages = json.loads(out.stdout)
     assert set(stages) >= {"server", "extract", "train"}
     assert stages["extract"]["state"] == "not-started" and stages["extract"]["verdict"] is None
+
+
+def test_slack_library_errors_during_an_outage_are_said_once_per_window():
+    import logging
+
+    from bot.cli import OncePerWindow
+
+    now = [0.0]
+    f = OncePerWindow(prefixes=("slack_sdk",), window_s=300, clock=lambda: now[0])
+
+    def record(name, msg):
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, None, None)
+
+    passed = []
+    for i in range(12):  # a minute of failed retries, 5 s apart
+        now[0] = 5.0 * i
+        r = record("slack_sdk.web.base_client", f"Failed to send a request to Slack API server: attempt {i}")
+        if f.filter(r):
+            passed.append(r.getMessage())
+    assert passed == ["Failed to send a request to Slack API server: attempt 0"]
+    assert f.filter(record("eagle3.notifier", "delivery failed")), "eagle3's own lines are never held back"
+    now[0] = 400.0
+    r = record("slack_sdk.web.base_client", "Failed to send a request to Slack API server: attempt 80")
+    assert f.filter(r) and "11 more like it in the last 5 min held back" in r.getMessage()

@@ -188,3 +188,26 @@ def test_a_runner_claims_only_an_open_row_without_a_stage(setup):
     assert claim_row(store, proc_id, runner_pid=77, runner_create_time=5.0).runner_pid == 77
     store.update_proc(proc_id, pid=600)
     assert claim_row(store, proc_id, runner_pid=78, runner_create_time=6.0) is None
+
+
+def test_a_detached_runner_that_ends_leaves_no_zombie_in_a_long_lived_service():
+    """serve spawns a runner for each start (the restart policy's relaunches too); when one ends it is reaped at
+    once, not left a zombie until some later spawn."""
+    import sys
+    import time
+
+    import psutil
+
+    from pipeline.stages.host import RealHost
+
+    pid = RealHost().spawn_detached([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE and None
+        except psutil.NoSuchProcess:
+            gone = True
+        if gone:
+            break
+        time.sleep(0.05)
+    assert gone, f"pid {pid} is still a zombie (or running) 20 s after it ended"
