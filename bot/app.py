@@ -19,7 +19,7 @@ from slack_sdk.signature import SignatureVerifier
 
 from handlers import buttons, home, slash
 from handlers.auth import guard
-from pipeline.config import Workspace
+from pipeline.config import LiveWorkspace, Workspace
 from pipeline.controller import Controller
 from pipeline.store import Store
 
@@ -48,8 +48,10 @@ class _DropClientTokenWarning(logging.Filter):
 _DROP_TOKEN_WARNING = _DropClientTokenWarning()
 
 
-def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | None = None) -> App:
-    """A Bolt app whose listeners call controller verbs."""
+def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | None = None,
+              live: LiveWorkspace | None = None) -> App:
+    """A Bolt app whose listeners call controller verbs; with `live`, each request's controller reads the config
+    file as it is now (an edit that loads is used as the CLI uses it)."""
     logging.getLogger("slack_bolt.App").addFilter(_DROP_TOKEN_WARNING)  # the same object: added once
     # process_before_response=False: Bolt answers Slack as soon as a listener calls ack() and runs
     # the rest in its bounded listener pool, so a slow or rate-limiting Web API (chat.update,
@@ -65,7 +67,7 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
         store = getattr(local, "store", None)
         if store is None:
             store = local.store = Store(ws.store_path, check_integrity=False)
-        return Controller(workspace=ws, store=store)
+        return Controller(workspace=live.current() if live is not None else ws, store=store)
 
     _warm_authorization(app)
     # authorization and audit, in front of every listener; a refused click is answered from Bolt's own pool

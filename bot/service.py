@@ -16,7 +16,7 @@ import threading
 import time
 
 from bot.metrics import serve_metrics
-from pipeline.config import Workspace
+from pipeline.config import LiveWorkspace, Workspace
 from pipeline.configcheck import placeholders, problems
 from pipeline.controller import Controller
 from pipeline.errors import ConfigError, UserError
@@ -62,9 +62,10 @@ def _refuse_placeholders(ws: Workspace) -> None:
 def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host: str,
            metrics_port: int | None = None) -> int:
     notifier, posting = _notifier(ws)
-    monitor = Monitor(ws=ws)
+    live = LiveWorkspace(ws)  # the config file as it is now: the monitor and the Slack commands read it, as the CLI
+    monitor = Monitor(ws=ws, live=live)
     delivery = Delivery(ws=ws, notifier=notifier)
-    inputs = Inputs(ws=ws)  # first: a refusal (no signing secret) leaves no thread behind
+    inputs = Inputs(ws=ws, live=live)  # first: a refusal (no signing secret) leaves no thread behind
     if http_port is not None:
         inputs.start_http(host, http_port)
     elif os.environ.get("SLACK_APP_TOKEN"):
@@ -214,8 +215,8 @@ class Inputs:
     """Where commands and buttons come from: Socket Mode, Slack's HTTP events, or nowhere.
     Socket Mode connects in the background with backoff; its state is in the store for `status`."""
 
-    def __init__(self, *, ws: Workspace) -> None:
-        self.ws = ws
+    def __init__(self, *, ws: Workspace, live: LiveWorkspace | None = None) -> None:
+        self.ws, self.live = ws, live
         self.kind = "none"
         self.host = "127.0.0.1"
         self.server = None
@@ -240,7 +241,7 @@ class Inputs:
         if not secret:
             raise UserError("serve --http: set SLACK_SIGNING_SECRET (from the Slack app's Basic Information page)")
         app = build_app(ws=self.ws, token=os.environ.get("SLACK_BOT_TOKEN", ""), signing_secret=secret,
-                        api_url=os.environ.get("SLACK_API_URL"))
+                        api_url=os.environ.get("SLACK_API_URL"), live=self.live)
         self.server = serve_http(app, signing_secret=secret, host=host, port=port)
         self.host = host
         self.kind = "http"
@@ -257,7 +258,7 @@ class Inputs:
             raise UserError("Socket Mode needs SLACK_BOT_TOKEN as well as SLACK_APP_TOKEN")
         app = build_app(ws=self.ws, token=token,
                         signing_secret=os.environ.get("SLACK_SIGNING_SECRET", "unused-in-socket-mode"),
-                        api_url=os.environ.get("SLACK_API_URL"))
+                        api_url=os.environ.get("SLACK_API_URL"), live=self.live)
         self.handler = SocketModeHandler(app, os.environ["SLACK_APP_TOKEN"], ping_interval=PING_INTERVAL_S)
         self.handler.client.on_message_listeners.append(self._on_message)
         self.handler.client.on_close_listeners.append(self._on_close)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -394,6 +395,38 @@ def load_workspace(path: Path) -> Workspace:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the config ({exc}); check the path and its permissions") from None
     return Workspace(config=parse_config(text, name=path.name), path=path)
+
+
+class LiveWorkspace:
+    """The config file as `serve` keeps reading it: `current()` is the workspace of the file as it is now, loaded
+    again when the file changed and it loads (else the last one that did, with `error` saying why). The monitor,
+    auto-start, the restart policy and the Slack commands read it, as the CLI reads the file."""
+
+    def __init__(self, ws: Workspace) -> None:
+        self.ws, self.error = ws, None
+        self.seen = _stat(ws.path)
+        self.lock = threading.Lock()
+
+    def current(self) -> Workspace:
+        seen = _stat(self.ws.path)
+        if seen == self.seen:
+            return self.ws
+        with self.lock:
+            if seen != self.seen:
+                self.seen = seen
+                try:
+                    self.ws, self.error = load_workspace(self.ws.path), None
+                except ConfigError as exc:
+                    self.error = str(exc)
+        return self.ws
+
+
+def _stat(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
 
 
 def find_config(explicit: str | None) -> Path:

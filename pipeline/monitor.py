@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from pipeline.automation import Automation
-from pipeline.config import ConfigError, Workspace, load_workspace
+from pipeline.config import LiveWorkspace, Workspace
 from pipeline.observe.sampler import Sampler
 from pipeline.store import KV, Store
 
@@ -18,42 +18,31 @@ log = logging.getLogger("eagle3.monitor")
 
 
 class Monitor:
-    """Runs ticks until stopped; owns its own store connection (sqlite is per thread)."""
+    """Runs ticks until stopped; owns its own store connection (sqlite is per thread). It reads the config file as
+    it is (`LiveWorkspace`): an edit that loads is used from the next tick on, as the CLI uses it."""
 
-    def __init__(self, *, ws: Workspace, clock=time.time, on_tick=None) -> None:
-        self.ws, self.clock, self.on_tick = ws, clock, on_tick
+    def __init__(self, *, ws: Workspace, clock=time.time, on_tick=None, live: LiveWorkspace | None = None) -> None:
+        self.live = live or LiveWorkspace(ws)
+        self.ws, self.clock, self.on_tick = self.live.current(), clock, on_tick
         self.stopping = threading.Event()
         self.ticks = 0
-        self.config_seen = _file_state(ws.path)  # (mtime, size, sha256) of the config serve runs with
-        self.config_started = self.config_seen[2] if self.config_seen else None
+        self.config_sha = _sha(self.ws.path)  # the file as it was last said in the channel
 
-    def check_config(self, store: Store) -> None:
-        """Say once (an event, and in status) when the config file no longer reads as it did when serve started:
-        serve — the monitor, auto-start and the Slack commands — keeps the settings it started with until it is
-        restarted, while the CLI reads the file; a file changed back clears it."""
-        path = self.ws.path
-        try:
-            st = path.stat()
-        except OSError:
-            return
-        if self.config_seen and (st.st_mtime_ns, st.st_size) == self.config_seen[:2]:
-            return
-        self.config_seen = _file_state(path)
-        sha = self.config_seen[2] if self.config_seen else None
-        noted = store.get(KV.CONFIG_CHANGED)
-        if sha == self.config_started:
-            if noted:
-                store.put(KV.CONFIG_CHANGED, None)
-            return
-        if noted and noted.get("sha") == sha:
-            return
-        try:
-            load_workspace(path)
-            error = None
-        except ConfigError as exc:
-            error = str(exc)
-        store.put(KV.CONFIG_CHANGED, {"t": self.clock(), "sha": sha, "error": error, "file": str(path)})
-        store.add_event(kind="config-changed", run_id=store.current_run(), data={"file": path.name, "error": error})
+    def check_config(self, store: Store) -> bool:
+        """Follow the config file: when it changed, say once in the channel whether serve now uses it (it loads)
+        or keeps the settings it had (it does not, with the one-line error, also shown in `status` until fixed).
+        True when the workspace to use changed."""
+        ws = self.live.current()
+        sha = _sha(self.ws.path)
+        changed = ws is not self.ws
+        if sha != self.config_sha:
+            self.config_sha = sha
+            store.put(KV.CONFIG_CHANGED, {"t": self.clock(), "sha": sha, "error": self.live.error,
+                                          "file": str(ws.path)} if self.live.error else None)
+            store.add_event(kind="config-changed", run_id=store.current_run(),
+                            data={"file": ws.path.name, "error": self.live.error})
+        self.ws = ws
+        return changed
 
     def run(self, *, max_ticks: int | None = None) -> None:
         """Tick until `stop()` (or `max_ticks`)."""
@@ -66,7 +55,11 @@ class Monitor:
                 started = time.monotonic()
                 store.put(KV.MONITOR, {"pid": os.getpid(), "t": self.clock(), "tick_s": tick_s})
                 try:
-                    self.check_config(store)
+                    if self.check_config(store):  # the edited file: its stages, rules and thresholds from now on
+                        sampler.close()
+                        sampler = Sampler(ws=self.ws, store=store, clock=self.clock)
+                        automation = Automation(ws=self.ws, store=store, gpu_probe=sampler.gpu, clock=self.clock)
+                        tick_s = self.ws.config.monitor.tick_s
                     results = sampler.tick()
                     automation.tick()
                     if self.on_tick:
@@ -87,10 +80,9 @@ class Monitor:
         self.stopping.set()
 
 
-def _file_state(path: Path) -> tuple[int, int, str] | None:
-    """(mtime in ns, size, sha256) of a file, or None when it cannot be read."""
+def _sha(path: Path) -> str | None:
+    """The file's sha256, or None when it cannot be read."""
     try:
-        st = path.stat()
-        return st.st_mtime_ns, st.st_size, hashlib.sha256(path.read_bytes()).hexdigest()
+        return hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:
         return None

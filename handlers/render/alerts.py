@@ -46,10 +46,13 @@ def event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), h
     if kind in ("handoff-alert", "restart-limit", "condition-alert"):
         return "alert", f":rotating_light: {mention(oncall)}{on} {d['reason']}", None
     if kind == "config-changed":
-        bad = f" It does not load: {d['error']}." if d.get("error") else ""
-        return "warning", (f":warning:{on} `{d.get('file')}` changed since `eagle3 serve` started.{bad} serve, auto-start "
-                           "and these commands keep the settings serve started with; the CLI reads the file. Restart "
-                           "the service (`sudo systemctl restart eagle3`) to use the new settings everywhere."), None
+        if d.get("error"):
+            return "warning", (f":warning:{on} `{d.get('file')}` was edited and does not load: {d['error']}. serve, "
+                               "auto-start and these commands keep the settings it had; fix the file (`eagle3 "
+                               "check-config`)."), None
+        return "warning", (f":information_source:{on} `{d.get('file')}` was edited: the stages, auto-start, the restart "
+                           "policy and these commands use it from now on, as the CLI does ([slack] and [state] "
+                           "settings take effect when the service restarts)."), None
     if kind == "transport-warning":
         return "warning", f":warning:{on} {d['reason']}", None
     if kind == "stage-restart":

@@ -104,9 +104,8 @@ def status_text(status: RunStatus) -> str:
         lines.append(f"slack: the bot token was refused ({auth.get('error')}); {slack_hint(auth.get('error') or '')}")
     changed = status.config_changed
     if changed:
-        lines.append(f"config: {Path(changed['file']).name} changed at {clock_time(changed['t'])}, after serve started"
-                     + (f" (it does not load: {changed['error']})" if changed.get("error") else "")
-                     + "; serve keeps its settings until restarted, the CLI reads the file")
+        lines.append(f"config: {Path(changed['file']).name} was edited at {clock_time(changed['t'])} and does not load "
+                     f"({changed.get('error')}); serve keeps the settings it had until the file is fixed")
     box = status.outbox
     if box.get("pending") or box.get("failed"):
         lines.append(outbox_line(box))

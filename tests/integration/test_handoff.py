@@ -149,7 +149,8 @@ def test_early_exit_0_never_hands_off(tmp_path):
         assert train_rows(cfg) == []
         refused = eagle3("start", "train", "--config", str(cfg))
         assert refused.returncode == 2
-        assert "extraction is 40.0 % done (40 / 100)" in refused.stderr and "eagle3 autostart on" in refused.stderr
+        assert "extraction is 40.0 % done (40 / 100)" in refused.stderr
+        assert "Auto-start is armed" in refused.stderr and "eagle3 autostart on" not in refused.stderr  # it is on
         forced = eagle3("start", "train", "--force", "--config", str(cfg))
         assert forced.returncode == 0, forced.stderr
         conn = sqlite3.connect(cfg.parent / ".eagle3" / "state.sqlite")

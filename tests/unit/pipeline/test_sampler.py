@@ -67,9 +67,9 @@ def test_a_restarted_service_does_not_judge_a_finished_stage_again(tmp_path):
     store.close()
 
 
-def test_a_config_edited_while_serve_runs_is_said_once_and_cleared_when_changed_back(tmp_path):
-    """The file serve started with changes: one event (the channel's warning) and status says so, naming a file
-    that no longer loads; the same change is not said again; the file changed back clears it."""
+def test_a_config_edited_while_serve_runs_is_used_as_the_cli_uses_it_and_said_once(tmp_path):
+    """serve follows the file: an edit that loads is used from the next tick (said once in the channel); one that
+    does not load keeps the settings serve had, said once, with the error in status until the file is fixed."""
     import os
 
     from pipeline.config import load_workspace
@@ -82,17 +82,22 @@ def test_a_config_edited_while_serve_runs_is_said_once_and_cleared_when_changed_
     store = Store(ws.store_path)
     monitor = Monitor(ws=ws)
     try:
-        monitor.check_config(store)
-        assert store.get("config_changed") is None and not store.events(kind="config-changed")
-        cfg.write_text(original + "[stages.train]\nargv = [1]\n")
+        assert not monitor.check_config(store) and not store.events(kind="config-changed")
+        cfg.write_text(original.replace('["x"]', '["y", "--new"]'))
         os.utime(cfg, ns=(1, 1))
-        monitor.check_config(store)
-        monitor.check_config(store)
-        (event,) = store.events(kind="config-changed")
-        assert "stages.train.argv" in event["data"]["error"] and store.get("config_changed")["error"]
-        cfg.write_text(original)
+        assert monitor.check_config(store) and monitor.ws.stage("extract").argv == ["y", "--new"]
+        assert not monitor.check_config(store)
+        (used,) = store.events(kind="config-changed")
+        assert used["data"]["error"] is None and store.get("config_changed") is None
+        cfg.write_text(original + "[stages.train]\nargv = [1]\n")
         os.utime(cfg, ns=(2, 2))
+        assert not monitor.check_config(store) and monitor.ws.stage("extract").argv == ["y", "--new"]
         monitor.check_config(store)
-        assert store.get("config_changed") is None and len(store.events(kind="config-changed")) == 1
+        bad = store.events(kind="config-changed")[1:]
+        assert len(bad) == 1 and "stages.train.argv" in bad[0]["data"]["error"] and store.get("config_changed")
+        cfg.write_text(original)
+        os.utime(cfg, ns=(3, 3))
+        assert monitor.check_config(store) and monitor.ws.stage("extract").argv == ["x"]
+        assert store.get("config_changed") is None
     finally:
         store.close()
