@@ -225,6 +225,7 @@ LONGEST_FIRST = (
     "test_extract.py::test_concurrency_is_held",
     "test_handoff.py::test_double_arm",
     "test_regenerate.py::test_from_a_chat_file_to_a_measured_draft",
+    "test_week.py::test_five_runs_in_one_workspace",
 )
 
 

@@ -1,9 +1,10 @@
 """A week in one workspace: five runs, played with real processes (the extraction client against the toy server
 over HTTP, a stand-in trainer), the CLI's controller and the service's sampler, automation and notifier.
 
-1. dataset A: extract, train; the run closes when training finishes.
-2. another dataset B, with no edit of the config (`{run}` paths): extraction into the run's own directory;
-   `stop --all`, then `start train` trains on run 2's verified extraction, reopening it (no --force).
+1. the guide's layout: a prepared chat file regenerated, extracted and trained by auto-start alone; the run
+   closes when training finishes.
+2. another chat file, the same commands and no edit of the config (`{run}` paths): each stage writes into the
+   run's own directory; then `stop --all` and `start train` trains on run 2's verified extraction, reopening it.
 3. the config changed between runs; the restarted service does not judge run 2's finished training again;
    a partly edited dataset; extraction stopped part-way and started again resumes in the same directory.
 4. a dataset path that does not exist: extraction exits 2 and the restart policy gives up at once; a reminder is set.
@@ -27,20 +28,46 @@ from pipeline.config import load_workspace
 from pipeline.controller import Controller
 from pipeline.extract.writer import read_sample
 from pipeline.observe.sampler import Sampler
+from pipeline.toy.demo_workspace import write_dataset as write_chats
 from tests.conftest import FIXTURES, eagle3, toml_list, wait_for
 from tests.toy import ToyServer, write_dataset
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def config(url: str, *, steps: int = 3, data: str = "data.jsonl", latency_ms: float = 0) -> str:
+def config(url: str, *, steps: int = 3, data: str = "data.jsonl", regenerate: bool = False) -> str:
+    """The week's workspace: `{run}` in every output path, as deploy/eagle3.example.toml; with `regenerate`, the
+    guide's layout (prepared.jsonl → regenerate → runs/{run}/train.jsonl → extract → train)."""
+    regen = ""
+    if regenerate:
+        data = "runs/{run}/train.jsonl"
+        argv = [sys.executable, "-m", "bot.cli", "regenerate", "--server", url, "--data", "prepared.jsonl", "--out",
+                data, "--temperature", "0", "--max-new-tokens", "6", "--concurrency", "4"]
+        regen = f'[stages.regenerate]\nargv = {toml_list(argv)}\ndata = "prepared.jsonl"\nout = "{data}"\n'
     extract = [sys.executable, "-m", "bot.cli", "extract", "--server", url, "--data", data, "--out",
                "runs/{run}/hidden", "--parse-workers", "0", "--concurrency", "2"]
     train = [sys.executable, str(FIXTURES / "fake_train.py"), "runs/{run}/ckpt", str(steps)]
-    return (f'[stages.extract]\nargv = {toml_list(extract)}\nout = "runs/{{run}}/hidden"\ndata = "{data}"\n'
+    return (regen + f'[stages.extract]\nargv = {toml_list(extract)}\nout = "runs/{{run}}/hidden"\ndata = "{data}"\n'
             'restart = "on-failure"\nrestart_backoff_s = 0\n'
             f'[stages.train]\nargv = {toml_list(train)}\nout = "runs/{{run}}/ckpt"\n'
-            '[handoff]\nverify_sample = 50\n[monitor]\nfake_gpus = 1\n')
+            '[handoff]\nverify_sample = 50\ngpu_release_timeout_s = 5\n[monitor]\nfake_gpus = 1\n')
+
+
+def by_itself(ws, ctl: Controller) -> str:
+    """The guide's second-run commands (`start regenerate`, `autostart on`) and then nothing but the service's
+    automation ticks: regeneration, then extraction, then training, each started by itself. Returns the run."""
+    ctl.start("regenerate")
+    run = ctl.store.current_run()
+    ctl.autostart(True, by="test")
+    auto = Automation(ws=ws, store=ctl.store)
+
+    def trained():
+        auto.tick()
+        ctl.supervisor.refresh()
+        train = ctl.store.latest_proc("train", run=run)
+        return train if train and train.has_ended else None
+    assert wait_for(trained, timeout=120, interval=0.3, what="regenerate → extract → train by itself").exit_code == 0
+    return run
 
 
 def token_ids(out: Path) -> dict[int, list[int]]:
@@ -63,7 +90,7 @@ def ended(ctl: Controller, stage: str):
 def week(tmp_path):
     server = ToyServer("--latency-ms", "100")  # run 3's extraction lasts long enough to be stopped part-way
     cfg = tmp_path / "eagle3.toml"
-    cfg.write_text(config(server.url))
+    cfg.write_text(config(server.url, regenerate=True))
     yield server, cfg
     eagle3("stop", "--all", "--grace", "5", "--config", str(cfg))
     server.stop()
@@ -75,38 +102,41 @@ def test_five_runs_in_one_workspace(week):
     root = cfg.parent
     data = root / "data.jsonl"
 
-    # --- run 1: dataset A, extracted and trained; training's end closes the run
-    a = write_dataset(data, 6, seed=41)
+    # --- run 1: the guide's layout — a prepared chat file regenerated, extracted and trained by auto-start alone;
+    # training's end closes the run
+    prepared = root / "prepared.jsonl"
+    write_chats(prepared, 6, seed=41, turns=True)
     checked = eagle3("check-config", str(cfg))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    ctl = Controller(workspace=load_workspace(cfg))
-    ctl.start("extract")
-    r1 = ctl.store.current_run()
-    assert ended(ctl, "extract").exit_code == 0
-    ctl.start("train")
-    assert ended(ctl, "train").exit_code == 0
+    ws = load_workspace(cfg)
+    ctl = Controller(workspace=ws)
+    r1 = by_itself(ws, ctl)
     assert ctl.store.current_run() is None, "training finished: its run closed"
+    regenerated1 = root / "runs" / r1 / "train.jsonl"
+    a = [json.loads(line)["input_ids"] for line in regenerated1.read_text().splitlines()]
     out1 = root / "runs" / r1 / "hidden"
-    assert token_ids(out1) == dict(enumerate(a))
+    assert len(a) == 6 and token_ids(out1) == dict(enumerate(a)), "run 1 extracted run 1's regeneration"
     ctl.close()
 
-    # --- run 2: another dataset, no edit of the config; stop --all, then start train reopens run 2
-    b = write_dataset(data, 8, seed=42)
-    ctl = Controller(workspace=load_workspace(cfg))
-    ctl.start("extract")
-    r2 = ctl.store.current_run()
-    assert r2 != r1
-    assert ended(ctl, "extract").exit_code == 0
+    # --- run 2: another chat file, the same commands, no edit of the config: regenerated into run 2's place
+    write_chats(prepared, 8, seed=42, turns=True)
+    ctl = Controller(workspace=ws)
+    r2 = by_itself(ws, ctl)
+    assert r2 != r1 and len([e for e in ctl.store.events(kind="chain") if e["run_id"] == r2]) == 1
+    b = [json.loads(line)["input_ids"] for line in (root / "runs" / r2 / "train.jsonl").read_text().splitlines()]
     out2 = root / "runs" / r2 / "hidden"
-    assert token_ids(out2) == dict(enumerate(b)), "only run 2's dataset, in run 2's directory"
-    assert token_ids(out1) == dict(enumerate(a)), "run 1's data untouched"
+    assert len(b) == 8 and token_ids(out2) == dict(enumerate(b)), "only run 2's data, in run 2's directory"
+    assert token_ids(out1) == dict(enumerate(a)) and regenerated1.read_text().count("\n") == 6, "run 1's untouched"
+
+    # stop --all (the run is closed already), then `start train`: it trains on run 2's verified extraction again,
+    # reopening run 2 — no --force
     ctl.stop_all(grace_s=5)
     assert ctl.store.current_run() is None
-    proc = ctl.start("train")  # no --force
+    proc = ctl.start("train")
     assert proc.reopened == r2 and proc.run_id == r2
     assert ended(ctl, "train").exit_code == 0
     lines = (root / "runs" / r2 / "ckpt" / "progress.jsonl").read_text().splitlines()
-    assert len(lines) == 3, "run 2's training wrote into run 2's directory"
+    assert len(lines) == 6, "run 2's trainings wrote into run 2's directory"
     assert (root / "runs" / r1 / "ckpt" / "progress.jsonl").read_text().count("\n") == 3, "run 1's untouched"
     text = eagle3("status", "--config", str(cfg)).stdout
     assert f"(run {r2}, closed)" in text and f"out: {root / 'runs' / r2 / 'ckpt'}" in text
@@ -126,6 +156,7 @@ def test_five_runs_in_one_workspace(week):
 
     # --- run 3: the config changes between runs (another progress rule for train); a restarted service does not
     # judge run 2's training again; a partly edited dataset; extraction stopped part-way resumes in its run
+    write_dataset(data, 8, seed=42)
     cfg.write_text(config(server.url, steps=4).replace('out = "runs/{run}/ckpt"\n',
                                                         'out = "runs/{run}/ckpt"\nprogress = "files"\n'
                                                         'done_when = "exit0-and-total"\n'))
