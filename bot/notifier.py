@@ -142,6 +142,8 @@ class Notifier:
                       update_key=alert["key"])
         store.enqueue(channel=self.channel, kind="recovery", text=text, thread_key=alert["key"])
         store.put(self.k + KV.open_alert(stage), None)
+        # the cooldown stops repeats of an alert still open; once resolved, the next stall is news again
+        store.put(self.k + KV.alerted(stage, "stalled"), None)
         return True
 
     def _duplicate(self, store: Store, event: dict, kind: str) -> bool:

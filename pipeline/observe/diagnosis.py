@@ -62,6 +62,7 @@ class Diagnoser:
         self.last_moments: LatencyProfile | None = None
         self.last_progress_at: float | None = None
         self.gaps: list[float] = []  # sorted, bounded
+        self.stalled_since: float | None = None  # the last progress before a silence judged a stall (not a gap)
         self._gap_order: deque[float] = deque()
         self.eta = EtaEstimator()
         self.points: deque[_Point] = deque()
@@ -119,7 +120,9 @@ class Diagnoser:
             if dm is not None and dm.went_back():
                 dm = None
             if since is not None and t > since:
-                self._note_gap(t - since)
+                if since != self.stalled_since:  # a silence judged a stall is no normal gap: the deadline stays
+                    self._note_gap(t - since)
+                self.stalled_since = None
                 self.eta.add(t=t, dt=t - since, samples=dn, tokens=dk, tokens_sq=dq, latency=dm)
                 self.intervals.append((t, t - since, dn, dk))
             else:
@@ -373,6 +376,7 @@ class Diagnoser:
         evidence = self._stall_evidence(obs, t) or ["no sign of work (CPU, disk, GPU and server readings unknown)"]
         if activity:
             evidence.append(f"still busy after {fmt_s(gap)}, past the {fmt_s(self.policy.ceiling_s)} ceiling")
+        self.stalled_since = since
         return self._base(t, prog, verdict="stalled", reasons=(f"{what} ({deadline})", *evidence))
 
     def _eta(self, prog: dict) -> dict:

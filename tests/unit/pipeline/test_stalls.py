@@ -206,3 +206,34 @@ def test_a_server_wedged_after_a_busy_prefill_is_still_flagged_within_90_s():
     quiet_since = obs[84]["t"] - 10  # the GPUs' last busy tick
     stalled = next(v for v in vs if v.verdict == "stalled")
     assert stalled.t - quiet_since <= 40, (stalled.t - quiet_since, stalled.reasons)
+
+
+def _tick(t: float, done: int, cpu: float, *, working: bool) -> dict:
+    return {"t": t, "stage": "extract", "process": {"alive": True, "exit_code": None, "cpu_s": cpu},
+            "progress": {"done": done, "failed": 0, "total": 10_000, "unit": "samples"},
+            "gpus": [{"index": 0, "util": 90.0 if working else 0.0, "mem_used_mb": 70_000,
+                      "power_w": 600.0 if working else 90.0}],
+            "server": {"healthy": True, "running_reqs": 4, "queue_reqs": 0, "requests_total": done * 3}}
+
+
+def test_a_stall_that_comes_back_is_flagged_again_as_fast_as_the_first():
+    """Early in a run the server wedges for 5 minutes, recovers by itself, and wedges again 4 minutes later. The
+    first stall's silence is not learned as a normal gap (with it the deadline became 3 × 5 min, and the second
+    stall went unflagged for 15 minutes): both are flagged within 90 s of their last progress, and the deadline
+    after the recovery is the one from before the stall."""
+    d, vs, done, cpu = Diagnoser(stage="extract"), [], 0, 0.0
+    spans = [(0, 300, True), (300, 600, False), (600, 840, True), (840, 1740, False), (1740, 1800, True)]
+    for start, end, working in spans:
+        for t in range(start, end, 10):
+            if working and t >= 30:
+                done, cpu = done + 1, cpu + 8.0
+            vs.append(d.feed(_tick(1_790_000_000.0 + t, done, cpu, working=working)))
+    stalls = [v for v in vs if v.verdict == "stalled"]
+    first = next(v for v in stalls if v.last_progress_at - 1_790_000_000.0 < 300)
+    second = next((v for v in stalls if v.last_progress_at - 1_790_000_000.0 >= 830), None)
+    assert first.t - first.last_progress_at <= 90, first.reasons
+    assert second is not None, "the second stall was never flagged"
+    assert second.t - second.last_progress_at <= 90, second.reasons
+    before = next(v for v in reversed(vs) if v.t - 1_790_000_000.0 < 300)
+    after = next(v for v in vs if v.t - 1_790_000_000.0 >= 700)
+    assert after.deadline_s == before.deadline_s, "the stall's silence was not learned as a gap"
