@@ -25,7 +25,7 @@ from handlers.render.alerts import (
     milestone_text,
     resolved_text,
 )
-from handlers.render.blocks import status_blocks, text_blocks
+from handlers.render.blocks import final_blocks, status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.handoff.machine import handoff_state
 from pipeline.observe.charts import alt_text, render_run
@@ -46,12 +46,15 @@ FIXABLE = {"not_in_channel", "channel_not_found", "missing_scope", "is_archived"
 
 
 def status_signature(store: Store) -> str:
-    """What the status post shows that is worth an edit at once: each stage's verdict and process state, the
-    run and the handoff step (progress and ETA drift are the periodic refresh's)."""
+    """What the status post shows that is worth an edit (at most one per `min_edit_s`): each stage's verdict,
+    process state and progress to a tenth of a percent, the run and the handoff step (ETA drift is the periodic
+    refresh's; "last progress … ago" is a Slack date token that stays current by itself)."""
     parts = [store.current_run(), (handoff_state(store) or {}).get("step", "off")]
     for stage in STAGE_NAMES:
         v, p = store.verdict(stage), store.latest_proc(stage)
-        parts.append((stage, v and v.verdict, v and v.proc_id, p.state if p else None))
+        pct = v.progress_pct if v is not None and v.progress_pct is not None else None
+        parts.append((stage, v and v.verdict, v and v.proc_id, p.state if p else None,
+                      None if pct is None else round(pct, 1)))
     return json.dumps(parts, default=str)
 
 
@@ -202,6 +205,29 @@ class Notifier:
             return False
         signature, at = self.status_posted
         return self.clock() - at >= self.min_edit_s and status_signature(store) != signature
+
+    FINAL_WAIT_S = 120.0  # how long the final render waits for the closed run's last verdicts
+
+    def final_due(self, store: Store) -> tuple[str, str | None, float] | None:
+        """(run, why it closed, when) when the last closed run's status post has not had its final render for this
+        closing yet (a reopened run that closes again gets another): once each of its stages' end is judged (or
+        FINAL_WAIT_S after it closed), and only while no newer run is open."""
+        closed = store.last_closed_run()
+        if not self.channel or not closed or store.current_run() is not None:
+            return None
+        run, reason, closed_at = closed
+        if store.get(self.k + KV.final_status(run)) == closed_at or not store.has_message(
+                channel=self.channel, update_key=f"status:{run}"):
+            return None
+        ends = [(p, store.verdict(s)) for s in STAGE_NAMES if (p := store.latest_proc(s, run=run)) is not None]
+        judged = all(v is not None and v.proc_id == p.id and v.final for p, v in ends if p.has_ended)
+        return closed if judged or self.clock() - closed_at >= self.FINAL_WAIT_S else None
+
+    def post_final(self, store: Store, status: RunStatus, run: str, reason: str | None, closed_at: float) -> None:
+        """Edit the closed run's status post into its final render (no buttons), once per closing."""
+        text, blocks = final_blocks(status, run=run, closed=reason, host=self.host, now=self.clock())
+        store.enqueue(channel=self.channel, kind="status", text=text, blocks=blocks, update_key=f"status:{run}")
+        store.put(self.k + KV.final_status(run), closed_at)
 
     def post_status(self, store: Store, status: RunStatus, version: str) -> None:
         """Enqueue the run's status message; delivery updates it in place after the first post."""

@@ -154,6 +154,11 @@ class Delivery:
         store = thread_store(self.ws)
         if self.notifier.needs_status(store):
             self.post_status()
+        final = self.notifier.final_due(store)
+        if final:
+            with self.lock:
+                ctl = Controller(workspace=self.ws, store=store)
+                self.notifier.post_final(store, ctl.status(sample_if_unmonitored=False), *final)
         with self.lock:
             self.notifier.tick(store)
 

@@ -142,6 +142,7 @@ class KV:
     milestones = _family("milestones:")  # (run) the progress milestones posted
     open_alert = _family("open-alert:")  # (stage) the alert to resolve in place
     ts = _family("ts:")  # (update_key) the chat service's ts of the message with this update key
+    final_status = _family("final-status:")  # (run) its status post was given its final render
     restarting = _family("restarting:")  # (stage) a restart by hand under way {of: proc id, t}: its stop is no ending
 
 
@@ -264,11 +265,11 @@ class Store:
         row = self.db.execute("SELECT id FROM runs ORDER BY closed_at IS NULL DESC, opened_at DESC LIMIT 1").fetchone()
         return row[0] if row else None
 
-    def last_closed_run(self) -> tuple[str, str | None] | None:
-        """(id, why it closed) of the most recently closed run, or None."""
-        row = self.db.execute("SELECT id, close_reason FROM runs WHERE closed_at IS NOT NULL "
+    def last_closed_run(self) -> tuple[str, str | None, float] | None:
+        """(id, why it closed, when) of the most recently closed run, or None."""
+        row = self.db.execute("SELECT id, close_reason, closed_at FROM runs WHERE closed_at IS NOT NULL "
                               "ORDER BY closed_at DESC, opened_at DESC LIMIT 1").fetchone()
-        return (row[0], row[1]) if row else None
+        return (row[0], row[1], row[2]) if row else None
 
     def reopen_run(self, run_id: str, *, reason: str) -> None:
         """Open a closed run again (training started on its verified extraction, with no run open)."""

@@ -100,7 +100,7 @@ def _details(name: str, st: StageStatus, now: float) -> list[str]:
         when = slack_time(now + st.eta_s, "{time}" if st.eta_s < 12 * 3600 else "{date_short_pretty} {time}")
         rates.append(f"ETA {ago(st.eta_s)} ({ago(st.eta_low_s)}–{ago(st.eta_high_s)}), about {when}")
     if st.last_progress_at:
-        rates.append(f"last progress {ago(now - st.last_progress_at)} ago")
+        rates.append(f"last progress {slack_time(st.last_progress_at, '{ago}')}")  # Slack keeps it current
     if rates:
         lines.append(" · ".join(rates))
     gpus = st.gpus or []
@@ -162,7 +162,8 @@ def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
         blocks.append(SectionBlock(text=MarkdownTextObject(text=_clip("\n".join(details)))))
     auto = status.autostart
     blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(
-        f"auto-start: {auto}" + (f" — {status.autostart_reason}" if auto != "off" else "")))]))
+        f"auto-start: {auto}" + (f" — {status.autostart_reason}" if auto != "off" else "")
+        + f" · as of {slack_time(now)}"))]))
     if note:
         blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(note))]))
     value = json.dumps({"v": version})
@@ -180,6 +181,38 @@ def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
     buttons.append(ButtonElement(text="Check back later", action_id=ACTION_LATER, value=value))
     blocks.append(ActionsBlock(elements=buttons))
     return f"{name}: {st.verdict or st.state} — {sentence}", [b.to_dict() for b in blocks]
+
+
+def final_blocks(status: RunStatus, *, run: str, closed: str | None, host: str = "",
+                 now: float | None = None) -> tuple[str, list]:
+    """The run's status post as it is left once the run closed: how each of its stages ended, how long it ran,
+    its samples (or steps) and tokens, training's last loss and top-1 by depth; no buttons."""
+    now = now or time.time()
+    lines = []
+    for name, st in status.stages.items():
+        if not st.started or st.run != run:
+            continue
+        how = st.verdict or st.state
+        took = f" after {ago(st.ended_at - st.started_at)}" if st.ended_at and st.started_at else ""
+        parts = [f"*{name}*: {how}{took}" + (f" ({st.reason})" if st.reason and how not in ("done",) else "")]
+        prog = st.progress if isinstance(st.progress, dict) else {}
+        if st.total:
+            unit = prog.get("unit") or "samples"
+            parts.append(f"{st.processed or 0:,} / {st.total:,} {unit}" + (f", {st.failed:,} failed" if st.failed else ""))
+        if prog.get("tokens_done"):
+            parts.append(f"{prog['tokens_done']:,.0f} tokens")
+        if prog.get("loss") is not None:
+            parts.append(f"final loss {prog['loss']:.4g}")
+        acc = [a for a in prog.get("acc_by_depth") or [] if a is not None]
+        if acc:
+            parts.append("top-1 by depth " + ", ".join(f"{a:.2f}" for a in acc[:4]))
+        lines.append(" · ".join(parts))
+    head = (f"*Run {run}*" + (f" on `{host}`" if host else "") + " — *ended*"
+            + (f": {closed}" if closed else ""))
+    body = "\n".join(lines) or "No stage ran in this run."
+    blocks = [SectionBlock(text=MarkdownTextObject(text=_clip(f"{head}\n{body}"))),
+              ContextBlock(elements=[MarkdownTextObject(text=f"final · as of {slack_time(now)}")])]
+    return f"run {run} ended" + (f": {closed}" if closed else ""), [b.to_dict() for b in blocks]
 
 
 def text_blocks(text: str) -> list:

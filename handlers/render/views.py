@@ -30,7 +30,8 @@ def clock_time(t: float | None) -> str:
 
 def slack_time(t: float, token: str = "{time}") -> str:
     """A time Slack renders in each reader's own time zone (`<!date^…>`), with a UTC fallback."""
-    fallback = time.strftime("%H:%M UTC" if token == "{time}" else "%Y-%m-%d %H:%M UTC", time.gmtime(t))
+    fallback = time.strftime("%H:%M UTC" if token in ("{time}", "{ago}") else "%Y-%m-%d %H:%M UTC", time.gmtime(t))
+    fallback = f"at {fallback}" if token == "{ago}" else fallback
     return f"<!date^{int(t)}^{token}|{fallback}>"
 
 

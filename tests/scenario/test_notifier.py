@@ -475,3 +475,63 @@ def test_endings_are_broadcast_to_the_channel_and_name_the_host(env):
     for m in (done, trained):
         assert m["reply_broadcast"] is True and m["thread_ts"] == store.get("ts:status:r1") and "`gpu-017`" in m["text"]
     assert "*extract is done* on `gpu-017`" in done["text"] and "draft: /ckpt/draft" in trained["text"]
+
+
+def test_the_status_post_gets_a_final_render_when_the_run_ends(env):
+    """When the run closes, its status post is edited one last time: each stage's ending, duration, samples and
+    loss, no live button — once each stage's end is judged (the run closes at training's exit, a tick before the
+    monitor judges it)."""
+    from pipeline.controller import Controller
+    from pipeline.verdict import StoredVerdict
+
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    ctl = Controller(workspace=env["ws"], store=store)
+    run = store.open_run()
+    t0 = env["clock"]["t"]
+    ex = store.insert_proc({"run_id": run, "stage": "extract", "state": "exited", "exit_code": 0, "argv": "[]",
+                            "started_at": t0 - 3600, "ended_at": t0 - 600, "stop_requested": 0})
+    store.put_verdict("extract", StoredVerdict.from_json({"proc_id": ex, "verdict": "done", "done": 300, "failed": 0,
+                                                          "total": 300, "reasons": ["exited 0"], "final": True}))
+    tr = store.insert_proc({"run_id": run, "stage": "train", "state": "running", "argv": "[]",
+                            "started_at": t0 - 600, "stop_requested": 0})
+    n.post_status(store, ctl.status(sample_if_unmonitored=False), ctl.state_version())
+    n.tick(store)
+    assert fake.of("chat.postMessage")[-1]["blocks"][-1]["type"] == "actions", "the live post has its buttons"
+    store.update_proc(tr, state="exited", exit_code=0, ended_at=t0)
+    store.close_run(run, reason="training finished (exit 0)")
+    assert n.final_due(store) is None, "training's end is not judged yet"
+    store.put_verdict("train", StoredVerdict.from_json({"proc_id": tr, "verdict": "done", "done": 60, "total": 60,
+                                                        "reasons": ["exited 0"], "final": True}))
+    store.add_observation({"t": t0, "stage": "train", "progress": {"done": 60, "total": 60, "unit": "steps",
+                                                                   "loss": 0.8123, "acc_by_depth": [0.61, 0.42]}},
+                          run_id=run)
+    due = n.final_due(store)
+    assert due is not None and due[0] == run
+    n.post_final(store, ctl.status(sample_if_unmonitored=False), *due)
+    n.tick(store)
+    final = fake.of("chat.update")[-1]
+    text = final["blocks"][0]["text"]["text"]
+    assert f"*Run {run}*" in text and "ended*: training finished (exit 0)" in text
+    assert "*extract*: done after 50m" in text and "300 / 300" in text
+    assert "*train*: done after 10m" in text and "final loss 0.8123" in text and "top-1 by depth 0.61, 0.42" in text
+    assert all(b["type"] != "actions" for b in final["blocks"]), "no live button on an ended run"
+    assert n.final_due(store) is None, "once"
+
+
+def test_progress_alone_edits_the_status_post_within_min_edit_s_not_every_30_minutes(env):
+    """A run whose verdict stays `progressing` for an hour: its post follows the progress (to a tenth of a
+    percent), at most once per min_edit_s — not only at the 30-minute refresh."""
+    n, store, fake, clock = env["notifier"](), env["store"], env["fake"], env["clock"]
+    run = store.open_run()
+    n.post_status(store, not_started(run), f"{run}:off")
+    n.tick(store)
+    edits = 0
+    for second in range(1, 61):
+        clock["t"] += 1.0
+        store.put("verdict:extract", {"verdict": "progressing", "run": run, "proc_id": 1,
+                                      "progress_pct": 60.0 + second * 0.05})
+        if n.needs_status(store):
+            n.post_status(store, not_started(run), f"{run}:off")
+            edits += 1
+        n.tick(store)
+    assert 5 <= edits <= 6 and len(fake.of("chat.update")) == edits  # a minute of moving progress, min_edit_s 10 s
