@@ -428,32 +428,3 @@ def test_force_into_another_dataset_redoes_every_line(toy, tmp_path):
     assert "resuming" not in res.stderr
     assert_complete(out, new)
 
-
-def test_run_scoped_paths_give_each_run_a_place_of_its_own(toy, tmp_path):
-    """`{run}` in extract's `out` and `--out`: each run extracts into its own directory — a new dataset in the next
-    run needs no --force and no edit of the config — and status shows the run's own path and progress."""
-    from tests.conftest import status_json, toml_list
-
-    data = tmp_path / "d.jsonl"
-    write_dataset(data, 6, seed=31)
-    argv = [sys.executable, "-m", "bot.cli", "extract", "--server", toy.url, "--data", "d.jsonl",
-            "--out", "runs/{run}/hidden", "--parse-workers", "0"]
-    cfg = tmp_path / "eagle3.toml"
-    cfg.write_text(f'[stages.extract]\nargv = {toml_list(argv)}\nout = "runs/{{run}}/hidden"\ndata = "d.jsonl"\n')
-    checked = eagle3("check-config", str(cfg))
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    outs = []
-    for n in (6, 9):
-        write_dataset(data, n, seed=31 + n)  # the next run's dataset is another: it has a place of its own
-        started = eagle3("start", "extract", "--config", str(cfg))
-        assert started.returncode == 0, started.stderr
-        st = wait_for(lambda: (s := status_json(cfg))["stages"]["extract"]["state"] == "exited" and s,
-                      timeout=60, what="the extraction to end")
-        ex = st["stages"]["extract"]
-        assert ex["exit_code"] == 0 and ex["out"] == str(tmp_path / "runs" / st["run"] / "hidden")
-        assert len(manifest_rows(Path(ex["out"]))) == n
-        outs.append(ex["out"])
-        assert eagle3("stop", "--all", "--config", str(cfg)).returncode == 0
-    assert outs[0] != outs[1]
-    text = eagle3("status", "--config", str(cfg)).stdout
-    assert f"out: {outs[1]}" in text and "closed)" in text, text
