@@ -97,6 +97,9 @@ class Notifier:
             msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids,
                                 patterns=self.ws.config.slack.redact_patterns, host=self.host,
                                 took_s=self._took(store, event))
+            if msg and msg[0] == "ending" and event["kind"] == "verdict" and self._handoff_ends(store, stage, run):
+                msg = None  # auto-start's own ending says it, with the draft and how long it took: one ending
+            self._log(event, msg)
             with store.atomic():
                 if msg and msg[0] == "recovery" and stage and self._resolve(store, stage, msg[1], event):
                     pass  # the alert itself now says it is resolved; the details are a reply under it
@@ -121,6 +124,25 @@ class Notifier:
                                   attachment={"chart": stage, "run": run, "text_if_none": True})
                 store.put(self.k + KV.NOTIFIER_AFTER, event["id"])
 
+    @staticmethod
+    def _handoff_ends(store: Store, stage: str | None, run: str | None) -> bool:
+        """Training whose end auto-start follows (it posts training-done or -failed): its verdict is no second
+        ending in the channel."""
+        state = handoff_state(store) or {}
+        return stage == "train" and state.get("run") == run and state.get("step") in (
+            "training-running", "training-done", "training-failed")
+
+    @staticmethod
+    def _log(event: dict, msg) -> None:
+        """Verdict changes and what the channel is told, one line each in serve's log: the record that is left
+        when Slack and Prometheus are both down."""
+        d = event["data"]
+        if event["kind"] == "verdict":
+            log.info("run %s: %s %s → %s (%s)", event.get("run_id"), event.get("stage"), d.get("from"), d.get("to"),
+                     "; ".join(d.get("reasons") or []))
+        elif msg and msg[0] in ("alert", "recovery", "ending", "warning"):
+            log.info("run %s: %s: %s", event.get("run_id"), msg[0], msg[1].split("\n", 1)[0])
+
     def _took(self, store: Store, event: dict) -> float | None:
         """How long the ending stage ran (a stage's done verdict, or training's end in the handoff)."""
         d = event["data"]
@@ -143,6 +165,12 @@ class Notifier:
         resolved = resolved_text(alert["text"], event["t"] - alert["t"])
         store.enqueue(channel=self.channel, kind="resolved", text=resolved, blocks=text_blocks(resolved),
                       update_key=alert["key"])
+        escalation = f"escalation:{alert['key']}"
+        if store.has_message(channel=self.channel, update_key=escalation):  # its escalation is resolved with it
+            done = resolved_text(escalation_text(stage, event["t"] - alert["t"], [], self.host),
+                                 event["t"] - alert["t"])
+            store.enqueue(channel=self.channel, kind="resolved", text=done, blocks=text_blocks(done),
+                          update_key=escalation)
         store.enqueue(channel=self.channel, kind="recovery", text=text, thread_key=alert["key"])
         store.put(self.k + KV.open_alert(stage), None)
         # the cooldown stops repeats of an alert still open; once resolved, the next stall is news again
@@ -173,8 +201,12 @@ class Notifier:
             if self.clock() - alerted >= self.escalate_s and (store.get(KV.snooze(stage)) or 0) <= self.clock():
                 store.put(key, True)
                 text = escalation_text(stage, self.clock() - alerted, self.ws.config.slack.oncall_user_ids, self.host)
-                store.enqueue(channel=self.channel, kind="alert", text=text,
-                              blocks=text_blocks(text) + alert_buttons(stage))
+                open_alert = store.get(self.k + KV.open_alert(stage))
+                # a reply in the alert's thread, broadcast to the channel, resolved in place with the alert
+                store.enqueue(channel=self.channel, kind="escalation", text=text,
+                              blocks=text_blocks(text) + alert_buttons(stage),
+                              thread_key=open_alert["key"] if open_alert else None,
+                              update_key=f"escalation:{open_alert['key']}" if open_alert else None)
 
     def milestones(self, store: Store) -> None:
         """25/50/75/100 % of extraction, once each per run, as replies in the run's thread."""
@@ -285,7 +317,8 @@ class Notifier:
             self.client.chat_update(channel=m["channel"], ts=existing, text=m["text"], blocks=blocks)
             return existing
         thread = self._thread_ts(store, m["thread_key"])
-        extra = {"reply_broadcast": True} if thread and m["kind"] == "ending" else {}  # endings reach the channel
+        # endings and escalations reach the channel from their thread
+        extra = {"reply_broadcast": True} if thread and m["kind"] in ("ending", "escalation") else {}
         r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks, thread_ts=thread,
                                          **extra)
         return r.get("ts")

@@ -5,6 +5,7 @@ allowed channel may press it (it sets a reminder for the channel, nothing else).
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 from handlers.render.alerts import ACTION_LOGS, ACTION_SNOOZE
@@ -154,7 +155,8 @@ def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
         result = f"{_describe(action)} failed: {exc}"
     finally:
         ctl.close()
-    respond(text=f"<@{user}> confirmed *{_describe(action)}*: {result}", response_type="in_channel",
+    respond(text=f"<@{user}> confirmed *{_describe(action)}* on `{socket.gethostname()}`: {result}",
+            response_type="in_channel",
             replace_original=False)  # the channel learns what was done, and by whom
 
 
@@ -165,7 +167,7 @@ def _act(ctl, action_id: str, action: dict, user: str) -> str:
         until = ctl.snooze(action.get("value") or "extract", by=f"slack:{user}")
         return f"alerts about {action.get('value')} snoozed until {slack_time(until)}"
     if action_id == ACTION_LATER:
-        r = ctl.remind("eta" if ctl.has_eta("extract") else "1h", by=f"slack:{user}")
+        r = ctl.remind("eta" if ctl.running_eta() else "1h", by=f"slack:{user}")
         return f"reminder at {slack_time(r['due_at'])}"
     on = action_id == ACTION_AUTOSTART
     return autostart_text(on, ctl.autostart(on, by=f"slack:{user}"), cmd=SLASH)

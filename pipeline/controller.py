@@ -190,9 +190,9 @@ class Controller:
         """Store a reminder due after '30m', '1h', '90s' or at the extraction 'eta'."""
         now = self.store.clock()
         if spec == "eta":
-            eta = getattr(self.store.verdict("extract"), "eta_s", None)
+            eta = self.running_eta()
             if eta is None:
-                raise UserError("remind eta: extraction has no ETA yet; give a delay such as 30m or 1h")
+                raise UserError("remind eta: no running stage has an ETA yet; give a delay such as 30m or 1h")
             delay = float(eta)
         else:
             m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|m|h)", spec.strip())
@@ -227,9 +227,14 @@ class Controller:
         """The newest events, for App Home's timeline."""
         return self.store.recent_events(limit)
 
-    def has_eta(self, stage: str) -> bool:
-        """True when the stage's stored verdict carries an ETA."""
-        return getattr(self.store.verdict(stage), "eta_s", None) is not None
+    def running_eta(self) -> float | None:
+        """The ETA of the furthest stage that is running and has one (training, then extraction, then
+        regeneration): "check back later" while training runs is about training, not extraction's 0."""
+        for stage in ("train", "extract", "regenerate"):
+            proc, v = self.store.latest_proc(stage), self.store.verdict(stage)
+            if proc and proc.state in MAYBE_ALIVE_STATES and v is not None and v.proc_id == proc.id and v.eta_s:
+                return float(v.eta_s)
+        return None
 
     @staticmethod
     def owner(proc: dict) -> str:

@@ -17,8 +17,22 @@ def mention(user_ids: list[str]) -> str:
 ENDINGS = ("training-done", "training-failed")  # handoff steps that end a run: broadcast to the channel
 
 
+def who_as_mentions(text: str) -> str:
+    """"slack:U0123" (how the controller records a Slack user) as a mention, so who did what stays visible."""
+    import re
+
+    return re.sub(r"\bslack:([UW][A-Z0-9]{2,})\b", r"<@\1>", text)
+
+
 def event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), host: str = "",
                   took_s: float | None = None) -> tuple[str, str, str | None] | None:
+    """`_event_message`, with who did what as mentions."""
+    msg = _event_message(event, oncall=oncall, patterns=patterns, host=host, took_s=took_s)
+    return None if msg is None else (msg[0], who_as_mentions(msg[1]), msg[2])
+
+
+def _event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), host: str = "",
+                   took_s: float | None = None) -> tuple[str, str, str | None] | None:
     """(kind, text, thread_key) for an event worth posting, else None. thread_key: reply in the run's thread
     (kind "ending": a reply broadcast to the channel too). `host` is named in what reaches the channel;
     `took_s`: how long the stage ran, for its ending. Evidence may quote a stage's log: it is redacted like a

@@ -535,3 +535,42 @@ def test_progress_alone_edits_the_status_post_within_min_edit_s_not_every_30_min
             edits += 1
         n.tick(store)
     assert 5 <= edits <= 6 and len(fake.of("chat.update")) == edits  # a minute of moving progress, min_edit_s 10 s
+
+
+def test_an_escalation_is_a_broadcast_reply_in_the_alerts_thread_and_is_resolved_with_it(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    verdict(store, "extract", "progressing", "stalled")
+    store.put("verdict:extract", {"verdict": "stalled", "run": "r1"})
+    n.tick(store)
+    alert = fake.of("chat.postMessage")[0]
+    env["clock"]["t"] += 1900
+    n.tick(store)
+    escalation = fake.of("chat.postMessage")[1]
+    assert "still stalled" in escalation["text"] and escalation.get("reply_broadcast") is True
+    assert escalation["thread_ts"], "in the alert's thread"
+    assert alert.get("thread_ts") is None
+    verdict(store, "extract", "stalled", "progressing")
+    n.tick(store)
+    updated = [u["text"] for u in fake.of("chat.update")]
+    assert any(t.startswith("~:rotating_light:") and "is stalled" in t for t in updated), "the alert resolved"
+    assert any(t.startswith("~:rotating_light:") and "still stalled" in t and "resolved after" in t
+               for t in updated), "its escalation resolved in place too"
+
+
+def test_one_ending_for_training_that_auto_start_followed_and_who_did_what_as_mentions(env):
+    """Training's end is broadcast once — auto-start's training-done, with the draft and how long it took — not
+    also as "train is done"; "armed by slack:U…" reads as a mention."""
+    from pipeline.handoff.machine import KEY
+
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    store.put(KEY, {"run": "r1", "step": "training-running"})
+    store.add_event(kind="handoff", run_id="r1", data={"step": "armed", "reason": "armed by slack:U0ONCALL"})
+    verdict(store, "train", "progressing", "done", ("exited 0 with 60 / 60 done",))
+    store.add_event(kind="handoff", run_id="r1", data={"step": "training-done", "reason": "training finished (exit 0)"})
+    n.tick(store)
+    texts = [c["text"] for c in fake.of("chat.postMessage")]
+    assert not any("*train is done*" in t for t in texts)
+    assert sum("training-done" in t for t in texts) == 1
+    assert any("armed by <@U0ONCALL>" in t for t in texts) and not any("slack:U0ONCALL" in t for t in texts)

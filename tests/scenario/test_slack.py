@@ -216,7 +216,7 @@ def test_stop_asks_to_confirm_then_stops_the_group(slack):
     assert json.loads(eagle3("status", "--json", "--config", str(slack["cfg"])).stdout)["stages"]["train"]["state"] \
         == "running", "nothing happens before the confirmation"
     assert click(slack, "eagle3_confirm", value_of(msg["blocks"], "eagle3_confirm")).status_code == 200
-    wait_for(lambda: any(p.get("text", "").startswith("<@UOK> confirmed *stop train*: ") and "train: stopped" in
+    wait_for(lambda: any(p.get("text", "").startswith("<@UOK> confirmed *stop train* on `") and "train: stopped" in
                          p["text"] and p.get("response_type") == "in_channel" for p in slack["fake"].of("response_url")),
              timeout=60, what="the stop to be reported")
     st = json.loads(eagle3("status", "--json", "--config", str(slack["cfg"])).stdout)["stages"]["train"]

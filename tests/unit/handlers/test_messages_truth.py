@@ -122,3 +122,14 @@ def test_unknown_always_says_why(ctl):
                                                               "t": 8.0, "final": True}))
     bare = sentence("extract", ctl.status(sample_if_unmonitored=False).stages["extract"])
     assert "exited with code 1" in bare and "(no reason recorded)" not in bare
+
+
+def test_check_back_later_during_training_uses_trainings_eta_not_extractions_zero(ctl):
+    ex = add(ctl, "extract", state="exited", exit_code=0, ended_at=5.0)
+    ctl.store.put_verdict("extract", StoredVerdict.from_json({"proc_id": ex, "verdict": "done", "eta_s": 0.0,
+                                                              "reasons": [], "final": True}))
+    tr = add(ctl, "train")
+    ctl.store.put_verdict("train", StoredVerdict.from_json({"proc_id": tr, "verdict": "progressing", "eta_s": 5400.0,
+                                                            "reasons": []}))
+    r = ctl.remind("eta", by="slack:U1")
+    assert r["due_at"] - r["created_at"] == 5400.0
