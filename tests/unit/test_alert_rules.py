@@ -43,7 +43,7 @@ def promtool(tmp_path_factory) -> str:
 
 def test_promtool_checks_and_unit_tests_the_rules(promtool):
     check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and "SUCCESS: 6 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
     test = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], cwd=RULE_TESTS.parent, capture_output=True,
                           text=True, timeout=60)
     assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
@@ -61,7 +61,7 @@ def test_every_alert_has_severity_summary_and_a_runbook_into_the_guide():
                if line.startswith("#")}
     names = {r["alert"] for r in rules}
     assert {"Eagle3StageStalled", "Eagle3StageDead", "Eagle3BotAbsent", "Eagle3MonitorNotTicking",
-            "Eagle3SlackOutboxStuck", "Eagle3NoProgress"} == names
+            "Eagle3SlackOutboxStuck", "Eagle3NoProgress", "Eagle3TrainNoSteps", "Eagle3SlackMessagesFailed"} == names
     for r in rules:
         assert r["labels"]["severity"] in ("page", "warning"), r["alert"]
         assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
