@@ -198,6 +198,9 @@ class Notifier:
             key = self.k + KV.escalated(stage, alerted)
             if v is None or v.verdict != "stalled" or alerted is None or store.get(key):
                 continue
+            acked = store.get(KV.acked(stage)) or {}
+            if acked.get("t", -1.0) >= alerted:  # someone took this alert: no escalation
+                continue
             if self.clock() - alerted >= self.escalate_s and (store.get(KV.snooze(stage)) or 0) <= self.clock():
                 store.put(key, True)
                 text = escalation_text(stage, self.clock() - alerted, self.ws.config.slack.oncall_user_ids, self.host)

@@ -8,7 +8,7 @@ import json
 import socket
 import time
 
-from handlers.render.alerts import ACTION_LOGS, ACTION_SNOOZE
+from handlers.render.alerts import ACTION_ACK, ACTION_LOGS, ACTION_SNOOZE, acknowledged_blocks
 from handlers.render.blocks import (
     ACTION_AUTOSTART,
     ACTION_CANCEL,
@@ -64,7 +64,10 @@ def register(app, *, controller_factory, ws) -> None:
             ctl.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
                             detail=result)
             text = f"<@{user}> chose *{LABELS[action_id]}* at {slack_time(time.time())}: {result}"
-            if action_id in STATUS_ACTIONS:  # the status post stays the status post, with the outcome in it
+            if action_id == ACTION_ACK:  # the alert stays the alert, with who is on it
+                blocks = acknowledged_blocks((body.get("message") or {}).get("blocks"), user, time.time())
+                text = (body.get("message") or {}).get("text") or text
+            elif action_id in STATUS_ACTIONS:  # the status post stays the status post, with the outcome in it
                 _, blocks = status_blocks(ctl.status(sample_if_unmonitored=False), version=ctl.state_version(),
                                           note=text)
             else:
@@ -163,6 +166,9 @@ def _stop_later(controller_factory, action: dict, user: str, respond) -> None:
 def _act(ctl, action_id: str, action: dict, user: str) -> str:
     if action_id == ACTION_KEEP:
         return f"left as it is ({_describe(action)} not done)"
+    if action_id == ACTION_ACK:
+        ctl.acknowledge(action.get("value") or "extract", by=f"slack:{user}")
+        return f"{action.get('value')}'s alert taken by <@{user}>; it will not be escalated"
     if action_id == ACTION_SNOOZE:
         until = ctl.snooze(action.get("value") or "extract", by=f"slack:{user}")
         return f"alerts about {action.get('value')} snoozed until {slack_time(until)}"

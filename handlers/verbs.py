@@ -4,7 +4,7 @@ an action by the words the user saw."""
 
 from __future__ import annotations
 
-from handlers.render.alerts import ACTION_LOGS, ACTION_SNOOZE
+from handlers.render.alerts import ACTION_ACK, ACTION_LOGS, ACTION_SNOOZE
 from handlers.render.blocks import (
     ACTION_AUTOSTART,
     ACTION_CANCEL,
@@ -47,7 +47,7 @@ def parse(text: str) -> tuple[str, list[str]]:
 MUTATING = frozenset({"autostart on", "autostart off", "train", "stop", "restart"})  # `later` only reminds
 LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-start", ACTION_LATER: "Check back later",
           ACTION_CONFIRM: "Confirm", ACTION_KEEP: "Keep it running", ACTION_SNOOZE: "Snooze 1 h",
-          ACTION_TRAIN: "Start training"}
+          ACTION_TRAIN: "Start training", ACTION_ACK: "Acknowledge"}
 
 # Buttons anyone in an allowed channel may press: reading, a reminder, "keep it running". Every other action,
 # a listener added later included, is mutating until said otherwise: a new button is refused for a stranger.

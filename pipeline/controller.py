@@ -186,6 +186,15 @@ class Controller:
         self.store.put(KV.snooze(stage), until)
         return until
 
+    def acknowledge(self, stage: str, *, by: str) -> float:
+        """Someone took the stage's alert: recorded (and audited by the caller), and it is not escalated."""
+        self._check_stage(stage)
+        now = self.store.clock()
+        with self.store.atomic():
+            self.store.put(KV.acked(stage), {"by": by, "t": now})
+            self.store.add_event(kind="acknowledged", run_id=self.store.current_run(), stage=stage, data={"by": by})
+        return now
+
     def remind(self, spec: str, *, by: str = "cli") -> dict:
         """Store a reminder due after '30m', '1h', '90s' or at the extraction 'eta'."""
         now = self.store.clock()

@@ -136,6 +136,7 @@ class KV:
     # families: KV.<name>(*parts) is the prefix and the parts joined by ":" (what each entry is about)
     verdict = _family("verdict:")  # (stage) the stage's StoredVerdict
     snooze = _family("snooze:")  # (stage) alerts snoozed until t
+    acked = _family("acked:")  # (stage) who took its alert, and when {by, t}: no escalation for that alert
     condition = _family("condition:")  # (name, proc_id) a condition alert was raised once
     alerted = _family("alerted:")  # (stage, cause) an alert's last time
     escalated = _family("escalated:")  # (stage, alerted_at) the alert's escalation was posted

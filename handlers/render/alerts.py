@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from handlers.render.redact import redact
-from handlers.render.views import ago
+from handlers.render.views import ago, slack_time
 from pipeline.verdict import StoredVerdict, Verdict
 
-ACTION_LOGS, ACTION_SNOOZE = "eagle3_show_logs", "eagle3_snooze"
+ACTION_LOGS, ACTION_SNOOZE, ACTION_ACK = "eagle3_show_logs", "eagle3_snooze", "eagle3_ack"
 
 
 def mention(user_ids: list[str]) -> str:
@@ -96,12 +96,25 @@ def escalation_text(stage: str, since_s: float, oncall: list[str], host: str = "
 
 
 def alert_buttons(stage: str) -> list:
-    """Show logs / Snooze 1 h under an alert."""
+    """Acknowledge / Show logs / Snooze 1 h under an alert."""
     from slack_sdk.models.blocks import ActionsBlock, ButtonElement
 
     return [ActionsBlock(elements=[
+        ButtonElement(text="Acknowledge", action_id=ACTION_ACK, value=stage, style="primary"),
         ButtonElement(text="Show logs", action_id=ACTION_LOGS, value=stage),
         ButtonElement(text="Snooze 1 h", action_id=ACTION_SNOOZE, value=stage)]).to_dict()]
+
+
+def acknowledged_blocks(blocks: list, user: str, t: float) -> list:
+    """An alert's blocks once someone took it: its text as it was, "<@U> is on it since …", and no Acknowledge."""
+    kept = []
+    for b in blocks or []:
+        if b.get("type") == "actions":
+            b = {**b, "elements": [e for e in b.get("elements", []) if e.get("action_id") != ACTION_ACK]}
+        kept.append(b)
+    note = {"type": "context", "elements": [{"type": "mrkdwn", "text": f":eyes: <@{user}> is on it since "
+                                                                       f"{slack_time(t)}"}]}
+    return [b for b in kept if b.get("type") != "actions"] + [note] + [b for b in kept if b.get("type") == "actions"]
 
 
 def chart_request_text(stage: str, by: str) -> str:

@@ -574,3 +574,25 @@ def test_one_ending_for_training_that_auto_start_followed_and_who_did_what_as_me
     assert not any("*train is done*" in t for t in texts)
     assert sum("training-done" in t for t in texts) == 1
     assert any("armed by <@U0ONCALL>" in t for t in texts) and not any("slack:U0ONCALL" in t for t in texts)
+
+
+def test_an_acknowledged_stall_is_not_escalated_and_keeps_its_text_with_who_is_on_it(env):
+    from handlers.render.alerts import ACTION_ACK, acknowledged_blocks
+    from pipeline.controller import Controller
+
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    verdict(store, "extract", "progressing", "stalled")
+    store.put("verdict:extract", {"verdict": "stalled", "run": "r1"})
+    n.tick(store)
+    alert = fake.of("chat.postMessage")[0]
+    assert ACTION_ACK in json.dumps(alert["blocks"]), "a stall alert offers Acknowledge"
+    env["clock"]["t"] += 60
+    Controller(workspace=env["ws"], store=store).acknowledge("extract", by="slack:UONCALL")
+    env["clock"]["t"] += 1900
+    n.tick(store)
+    assert len(fake.of("chat.postMessage")) == 1, "taken by someone: no escalation"
+    blocks = acknowledged_blocks(alert["blocks"], "UONCALL", env["clock"]["t"])
+    text = json.dumps(blocks)
+    assert "<@UONCALL> is on it since" in text and ACTION_ACK not in text and "is stalled" in text
+    assert [e["data"]["by"] for e in store.events(kind="acknowledged")] == ["slack:UONCALL"]
