@@ -115,7 +115,7 @@ class Automation:
         with self.store.atomic():
             self.store.put(KV.REMINDERS, [r for r in pending if r["due_at"] > now])
             for r in due:
-                if "run" in r and r["run"] != run:  # asked in a run that has closed since: not posted into another
+                if r.get("run") is not None and r["run"] != run:  # asked in a run closed since: not posted into another
                     self.store.add_event(kind="reminder-dropped", run_id=r.get("run"), data={
                         "by": r["by"], "asked_at": r["created_at"], "reason": f"its run {r.get('run')} is closed"})
                     continue

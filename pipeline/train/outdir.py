@@ -4,7 +4,7 @@ Torch-free, so that `eagle3 start train --fresh` (the controller) and the traine
 An earlier training's checkpoints, progress and draft are moved to OUT/previous/<UTC time>/, so that one
 `--out` never mixes two trainings' steps. What is kept there is bounded (`trim_previous`): every earlier
 training keeps its exported draft, progress and validation; the newest `keep_previous` of them keep their last
-checkpoint too (to resume or export from); no other checkpoint is kept. Checkpoints within a training are
+and best checkpoints too (to resume or export from); no other checkpoint is kept. Checkpoints within a training are
 bounded by the trainer (`prune`): the newest `--keep-last` and the best by validation.
 """
 
@@ -21,7 +21,7 @@ PREVIOUS = "previous"
 # what one training writes into its --out (checkpoint.py, loop.py, export.py)
 TRAINING_FILES = ("checkpoints", "latest", "progress.jsonl", "validation.jsonl", "draft")
 KEEP_LAST = 3  # checkpoints a training keeps besides its best by validation (`--keep-last`)
-KEEP_PREVIOUS = 2  # earlier trainings in OUT/previous/ that keep their last checkpoint (`--keep-previous`)
+KEEP_PREVIOUS = 2  # earlier trainings in OUT/previous/ that keep their last and best checkpoints (`--keep-previous`)
 STEP_PREFIX = "step_"
 
 
