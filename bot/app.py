@@ -50,8 +50,8 @@ _DROP_TOKEN_WARNING = _DropClientTokenWarning()
 
 def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | None = None,
               live: LiveWorkspace | None = None) -> App:
-    """A Bolt app whose listeners call controller verbs; with `live`, each request's controller reads the config
-    file as it is now (an edit that loads is used as the CLI uses it)."""
+    """A Bolt app whose listeners call controller verbs; with `live`, each request's controller has the config as
+    the monitor last loaded it (an edit that loads is used as the CLI uses it; no request reads the file)."""
     logging.getLogger("slack_bolt.App").addFilter(_DROP_TOKEN_WARNING)  # the same object: added once
     # process_before_response=False: Bolt answers Slack as soon as a listener calls ack() and runs
     # the rest in its bounded listener pool, so a slow or rate-limiting Web API (chat.update,
@@ -67,7 +67,7 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
         store = getattr(local, "store", None)
         if store is None:
             store = local.store = Store(ws.store_path, check_integrity=False)
-        return Controller(workspace=live.current() if live is not None else ws, store=store)
+        return Controller(workspace=live.ws if live is not None else ws, store=store)  # what the monitor loaded
 
     _warm_authorization(app)
     # authorization and audit, in front of every listener; a refused click is answered from Bolt's own pool

@@ -27,7 +27,7 @@ from handlers.render.alerts import (
 )
 from handlers.render.blocks import final_blocks, status_blocks, text_blocks
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
-from pipeline.handoff.machine import handoff_state
+from pipeline.handoff.machine import TRAINING, TRAINING_DONE, TRAINING_FAILED, handoff_state
 from pipeline.observe.charts import alt_text, render_run
 from pipeline.status import RunStatus
 from pipeline.store import KV, Store
@@ -130,7 +130,7 @@ class Notifier:
         ending in the channel."""
         state = handoff_state(store) or {}
         return stage == "train" and state.get("run") == run and state.get("step") in (
-            "training-running", "training-done", "training-failed")
+            TRAINING, TRAINING_DONE, TRAINING_FAILED)
 
     @staticmethod
     def _log(event: dict, msg) -> None:

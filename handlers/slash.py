@@ -122,7 +122,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         if stage not in STAGE_NAMES:
             return _name_a_stage(verb)
         st = status.stages.get(stage)
-        running = bool(st and st.state in ("running", "queued", "unknown"))
+        running = bool(st and st.maybe_alive)
         if not running and verb == "stop":
             text = f"*{stage}* is not running ({st.state if st else 'not configured'}); there is nothing to stop."
             return text, text_blocks(text)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -284,13 +283,11 @@ class Workspace:
         self.root = self.path.parent
         self.run = run  # the run `{run}` was expanded for (None: not expanded)
         self._bound: dict[str, Workspace] = {}
-
-    @property
-    def run_scoped(self) -> bool:
-        """Whether some stage's setting names `{run}` (and so means another place in each run)."""
-        return self.run is None and any(RUN_TOKEN in text for name in STAGE_NAMES
-                                        for value in self.stage(name).model_dump().values()
-                                        for text in _strings(value))
+        # whether some stage's setting names `{run}` (and so means another place in each run): the config is
+        # not changed after loading, so this is read once
+        self.run_scoped = run is None and any(RUN_TOKEN in text for name in STAGE_NAMES
+                                              for value in self.stage(name).model_dump().values()
+                                              for text in _strings(value))
 
     def for_run(self, run: str | None) -> Workspace:
         """This workspace as run `run` sees it: `{run}` in the stages' settings replaced by its id. Itself where
@@ -398,26 +395,23 @@ def load_workspace(path: Path) -> Workspace:
 
 
 class LiveWorkspace:
-    """The config file as `serve` keeps reading it: `current()` is the workspace of the file as it is now, loaded
-    again when the file changed and it loads (else the last one that did, with `error` saying why). The monitor,
-    auto-start, the restart policy and the Slack commands read it, as the CLI reads the file."""
+    """The config file as `serve` keeps reading it. The monitor calls `current()` each tick: the file is loaded
+    again when it changed (its mtime or size) and it loads, else the last one that did stays, with `error` saying
+    why; `changes` counts the times the file was seen to change. The Slack commands read `ws`, what the last tick
+    loaded, so a request touches no file."""
 
     def __init__(self, ws: Workspace) -> None:
-        self.ws, self.error = ws, None
+        self.ws, self.error, self.changes = ws, None, 0
         self.seen = _stat(ws.path)
-        self.lock = threading.Lock()
 
     def current(self) -> Workspace:
         seen = _stat(self.ws.path)
-        if seen == self.seen:
-            return self.ws
-        with self.lock:
-            if seen != self.seen:
-                self.seen = seen
-                try:
-                    self.ws, self.error = load_workspace(self.ws.path), None
-                except ConfigError as exc:
-                    self.error = str(exc)
+        if seen != self.seen:
+            self.seen, self.changes = seen, self.changes + 1
+            try:
+                self.ws, self.error = load_workspace(self.ws.path), None
+            except ConfigError as exc:
+                self.error = str(exc)
         return self.ws
 
 

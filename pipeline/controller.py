@@ -221,7 +221,7 @@ class Controller:
     def training_running(self) -> bool:
         """Training's latest process may be alive (from the store: no probe)."""
         proc = self.store.latest_proc("train")
-        return bool(proc) and proc.state in MAYBE_ALIVE_STATES
+        return bool(proc) and proc.maybe_alive
 
     def extraction_looks_complete(self) -> bool:
         """The cheap half of verified completion (the store and the manifest, no sample files opened): fast
@@ -241,7 +241,7 @@ class Controller:
         regeneration): "check back later" while training runs is about training, not extraction's 0."""
         for stage in ("train", "extract", "regenerate"):
             proc, v = self.store.latest_proc(stage), self.store.verdict(stage)
-            if proc and proc.state in MAYBE_ALIVE_STATES and v is not None and v.proc_id == proc.id and v.eta_s:
+            if proc and proc.maybe_alive and v is not None and v.proc_id == proc.id and v.eta_s:
                 return float(v.eta_s)
         return None
 
@@ -279,8 +279,7 @@ class Controller:
         old = self.store.latest_proc(stage)
         self.store.put(KV.restarting(stage), {"of": old.id if old else None, "t": self.store.clock()})
         try:
-            result = self.supervisor.stop(stage, grace_s=self._grace(stage, None))
-            return result, self.start(stage, by=by)
+            return self.stop(stage, by=by), self.start(stage, by=by)
         finally:
             self.store.put(KV.restarting(stage), None)
 

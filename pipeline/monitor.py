@@ -27,21 +27,25 @@ class Monitor:
         self.stopping = threading.Event()
         self.ticks = 0
         self.config_sha = _sha(self.ws.path)  # the file as it was last said in the channel
+        self.config_changes = self.live.changes
 
     def check_config(self, store: Store) -> bool:
         """Follow the config file: when it changed, say once in the channel whether serve now uses it (it loads)
         or keeps the settings it had (it does not, with the one-line error, also shown in `status` until fixed).
         True when the workspace to use changed."""
         ws = self.live.current()
-        sha = _sha(self.ws.path)
         changed = ws is not self.ws
+        self.ws = ws
+        if self.live.changes == self.config_changes:
+            return changed
+        self.config_changes = self.live.changes
+        sha = _sha(ws.path)  # read only when the file was seen to change: a save with the same text says nothing
         if sha != self.config_sha:
             self.config_sha = sha
             store.put(KV.CONFIG_CHANGED, {"t": self.clock(), "sha": sha, "error": self.live.error,
                                           "file": str(ws.path)} if self.live.error else None)
             store.add_event(kind="config-changed", run_id=store.current_run(),
                             data={"file": ws.path.name, "error": self.live.error})
-        self.ws = ws
         return changed
 
     def run(self, *, max_ticks: int | None = None) -> None:

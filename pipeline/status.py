@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pipeline.states import StageState
+from pipeline.states import MAYBE_ALIVE_STATES, StageState
 from pipeline.verdict import StoredVerdict, Verdict
 
 PROCESS_KEYS = ("state", "pid", "exit_code", "signal", "started_at", "ended_at", "uptime_s", "log", "reason", "run")
@@ -77,6 +77,11 @@ class StageStatus:
     @property
     def running(self) -> bool:
         return self.state == StageState.RUNNING
+
+    @property
+    def maybe_alive(self) -> bool:
+        """Its process may still run (queued, running, or unknown): there is something to stop."""
+        return self.state in MAYBE_ALIVE_STATES
 
     @property
     def processed(self) -> int | None:

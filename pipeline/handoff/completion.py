@@ -59,7 +59,7 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
                    server_running=bool(server) and server.state in MAYBE_ALIVE_STATES)
     if proc is None:  # the manifest on disk, if any, is an earlier run's: not this run's progress
         regen = store.latest_proc("regenerate", run=run) if run else None
-        if regen is not None and regen.state in MAYBE_ALIVE_STATES:
+        if regen is not None and regen.maybe_alive:
             v = store.verdict("regenerate")
             mine = v is not None and v.proc_id == regen.id and v.done is not None and v.total
             count = f" ({int(v.done + (v.failed or 0)):,} / {int(v.total):,} conversations)" if mine else ""

@@ -501,8 +501,8 @@ def _loop(args, d: Dist, ddp, model, opt, sched, corpus: Corpus, ctx: Ctx, start
 
 
 def _save(out: Path, step: int, model, opt, sched, ctx: Ctx, args, d: Dist) -> None:
-    """A checkpoint at `step`; then (rank 0) the ones beyond --keep-last and the best by validation go, and the
-    disk the kept ones still need is checked once against the free space."""
+    """A checkpoint at `step`; then (rank 0) the ones beyond --keep-last and the best by validation go, and what
+    the kept ones and the draft will still need is measured again (a shortfall is warned once)."""
     checkpoint.save(out, step=step, model=model, opt=opt, sched=sched, rank=d.rank, barrier=d.barrier,
                     config=ctx.cfg, origin=ctx.origin)
     if d.rank != 0:

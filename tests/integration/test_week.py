@@ -78,6 +78,14 @@ def token_ids(out: Path) -> dict[int, list[int]]:
     return {i: read_sample(out / "hidden_states" / f"hs_{i}.safetensors")["token_ids"].array.tolist() for i in done}
 
 
+def done_so_far(out: Path) -> int:
+    """Samples done in a running extraction: 0 until its manifest and table exist."""
+    try:
+        return len(token_ids(out)) if (out / "manifest.sqlite").exists() else 0
+    except sqlite3.OperationalError:  # created, its table not yet
+        return 0
+
+
 def ended(ctl: Controller, stage: str):
     def check():
         ctl.supervisor.refresh()
@@ -176,8 +184,7 @@ def test_five_runs_in_one_workspace(week):
     ctl.start("extract")
     r3 = ctl.store.current_run()
     out3 = root / "runs" / r3 / "hidden"
-    wait_for(lambda: (out3 / "manifest.sqlite").exists() and 0 < len(token_ids(out3)) < len(c), timeout=60,
-             interval=0.1, what="part of run 3's extraction")
+    wait_for(lambda: 0 < done_so_far(out3) < len(c), timeout=60, interval=0.1, what="part of run 3's extraction")
     ctl.stop("extract", grace_s=30)
     part = len(token_ids(out3))
     assert ctl.store.current_run() == r3, "stopping a stage keeps its run open"
