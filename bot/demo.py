@@ -97,6 +97,8 @@ def run_demo(slack_channel: str | None = None, *, regenerate: bool = False) -> i
         ctl.autostart(True, by="demo")
         thread.start()
         ok = _wait_for_training(ctl, notifier, interrupted)
+        if ok:
+            _final_post(ctl, notifier, interrupted)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -105,6 +107,7 @@ def run_demo(slack_channel: str | None = None, *, regenerate: bool = False) -> i
         monitor.stop()
         if thread.is_alive():
             thread.join(timeout=30)
+        _flush(ctl, notifier, interrupted)
         ctl.stop_all(grace_s=5)
         ctl.close()
     if ok:
@@ -135,6 +138,27 @@ def _wait_for_training(ctl: Controller, notifier, interrupted: threading.Event) 
             return ok
     _say(f"   training did not finish within {TIMEOUT_S:.0f} s")
     return False
+
+
+def _final_post(ctl: Controller, notifier, interrupted: threading.Event, wait_s: float = 20.0) -> None:
+    """The run's status post edited into its final render once the monitor judged training's end (as serve does)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not interrupted.is_set():
+        due = notifier.final_due(ctl.store)
+        if due:
+            notifier.post_final(ctl.store, ctl.status(sample_if_unmonitored=False), *due)
+            return
+        interrupted.wait(0.5)
+
+
+def _flush(ctl: Controller, notifier, interrupted: threading.Event, wait_s: float = 30.0) -> None:
+    """Deliver what the outbox still holds (paced as Slack wants), for up to `wait_s`: the demo's last messages
+    reach the channel before it exits."""
+    deadline = time.monotonic() + wait_s
+    while (time.monotonic() < deadline and not interrupted.is_set()
+           and ctl.store.pending_messages(channel=notifier.channel)):
+        notifier.tick(ctl.store)
+        interrupted.wait(0.3)
 
 
 def _last_line(ctl: Controller) -> str:

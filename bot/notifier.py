@@ -31,6 +31,7 @@ from pipeline.handoff.machine import TRAINING, TRAINING_DONE, TRAINING_FAILED, h
 from pipeline.observe.charts import alt_text, render_run
 from pipeline.status import RunStatus
 from pipeline.store import KV, Store
+from pipeline.verdict import Verdict
 
 log = logging.getLogger("eagle3.notifier")
 MILESTONES = (25, 50, 75, 100)
@@ -62,11 +63,12 @@ class Notifier:
     """One per service; `tick(store)` from the monitor's thread."""
 
     def __init__(self, *, ws: Workspace, client: WebClient, clock=time.time, cooldown_s: float = 1800.0,
-                 pace_s: float = 1.0, escalate_s: float = 1800.0, channel: str | None = None,
+                 pace_s: float = 1.0, escalate_s: float | None = None, channel: str | None = None,
                  key_prefix: str = "", fixable_retry_s: float = 60.0, host: str | None = None) -> None:
         """`channel`/`key_prefix` let the console transport keep its own cursor, dedup and message ids."""
         self.ws, self.client, self.clock = ws, client, clock
-        self.cooldown_s, self.pace_s, self.escalate_s = cooldown_s, pace_s, escalate_s
+        self.cooldown_s, self.pace_s = cooldown_s, pace_s
+        self.escalate_s = escalate_s if escalate_s is not None else ws.config.slack.escalate_after_min * 60
         channel = channel or ws.config.slack.channel
         self.channel = channel if channel and not PLACEHOLDER.search(channel) else None
         self.k = key_prefix
@@ -99,11 +101,20 @@ class Notifier:
                                 took_s=self._took(store, event))
             if msg and msg[0] == "ending" and event["kind"] == "verdict" and self._handoff_ends(store, stage, run):
                 msg = None  # auto-start's own ending says it, with the draft and how long it took: one ending
+            if msg and msg[0] == "handoff" and event["kind"] == "handoff" and run:
+                step = event["data"].get("step")
+                if store.get(self.k + KV.step_told(run)) == step:
+                    msg = None  # a new reason within the same step (what it waits for) is the status post's news
+                store.put(self.k + KV.step_told(run), step)
             self._log(event, msg)
             with store.atomic():
-                if msg and msg[0] == "recovery" and stage and self._resolve(store, stage, msg[1], event):
-                    pass  # the alert itself now says it is resolved; the details are a reply under it
-                elif msg and not self._duplicate(store, event, msg[0]):
+                if stage and msg and msg[0] == "recovery" and self._resolve(store, stage, msg[1], event):
+                    msg = None  # the alert itself now says it is resolved; the details are a reply under it
+                elif stage and self._stall_ended(event):  # done, stopped or restarted while stalled: no alert stays open
+                    d = event["data"]
+                    self._resolve(store, stage, f"{stage}: {d.get('from')} → {d.get('to')} "
+                                                f"({'; '.join(d.get('reasons') or [])})", event)
+                if msg and not self._duplicate(store, event, msg[0]):
                     kind, text, thread = msg
                     blocks = text_blocks(text) + (alert_buttons(stage) if kind == "alert" and stage else [])
                     opens = kind == "alert" and stage and event["kind"] == "verdict"
@@ -123,6 +134,14 @@ class Notifier:
                                   thread_key=f"status:{run}" if run else None,
                                   attachment={"chart": stage, "run": run, "text_if_none": True})
                 store.put(self.k + KV.NOTIFIER_AFTER, event["id"])
+
+    @staticmethod
+    def _stall_ended(event: dict) -> bool:
+        """A verdict event that leaves a stuck verdict for one that is not (its alert is resolved by it)."""
+        if event["kind"] != "verdict":
+            return False
+        frm, to = Verdict.of(event["data"].get("from")), Verdict.of(event["data"].get("to"))
+        return bool(frm and frm.stuck and not (to and to.stuck))
 
     @staticmethod
     def _handoff_ends(store: Store, stage: str | None, run: str | None) -> bool:
@@ -162,13 +181,15 @@ class Notifier:
         alert = store.get(self.k + KV.open_alert(stage))
         if not alert:
             return False
-        resolved = resolved_text(alert["text"], event["t"] - alert["t"])
+        acked = store.get(KV.acked(stage)) or {}
+        taken = acked.get("by") if acked.get("t", -1.0) >= alert["t"] else None
+        resolved = resolved_text(alert["text"], event["t"] - alert["t"], taken_by=taken)
         store.enqueue(channel=self.channel, kind="resolved", text=resolved, blocks=text_blocks(resolved),
                       update_key=alert["key"])
         escalation = f"escalation:{alert['key']}"
         if store.has_message(channel=self.channel, update_key=escalation):  # its escalation is resolved with it
-            done = resolved_text(escalation_text(stage, event["t"] - alert["t"], [], self.host),
-                                 event["t"] - alert["t"])
+            said = escalation_text(stage, self.escalate_s, self.ws.config.slack.oncall_user_ids, self.host)
+            done = resolved_text(said, event["t"] - alert["t"], taken_by=taken)
             store.enqueue(channel=self.channel, kind="resolved", text=done, blocks=text_blocks(done),
                           update_key=escalation)
         store.enqueue(channel=self.channel, kind="recovery", text=text, thread_key=alert["key"])

@@ -101,7 +101,7 @@ def meaningless(ctl, action_id: str, action: dict) -> str | None:
     """Why a button no longer means anything (None: it still does). A button is checked against what it was
     drawn to do, not against the exact state it was drawn in: "Cancel auto-start" stays valid while auto-start
     can be cancelled, however many steps the handoff took since."""
-    if action_id in (ACTION_SNOOZE, ACTION_LATER, ACTION_KEEP):
+    if action_id in (ACTION_SNOOZE, ACTION_LATER, ACTION_KEEP, ACTION_ACK):  # about a stage, whatever its run
         return None
     drawn = _version(action) or ""
     run_then = drawn.rsplit(":", 1)[0] if ":" in drawn else None

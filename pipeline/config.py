@@ -188,6 +188,9 @@ class SlackConfig(_Section):
     post_interval_min: float = Field(default=30, gt=0, description="Minutes between scheduled progress updates.")
     min_edit_s: float = Field(default=10.0, gt=0, description="The status post is edited when a verdict, a stage's "
                               "state or the handoff step changes, at most once per this many seconds.")
+    escalate_after_min: float = Field(default=30, gt=0, description="Minutes a stall alert may stay open and "
+                                      "unacknowledged before it is escalated (a broadcast reply in its thread that "
+                                      "mentions on-call again).")
     redact_patterns: list[str] = Field(
         default_factory=list, description="Regexes masked in log excerpts posted to Slack, besides tokens and Authorization headers.")
 

@@ -216,6 +216,7 @@ def toy_extraction(tmp_path_factory):
 LONGEST_FIRST = (
     "test_demo.py::test_demo_tells_the_whole_story",
     "test_production_path.py::test_the_guides_production_path",
+    "test_whole_run.py::test_a_whole_demo_run_told_in_a_channel",
     "test_handoff.py::test_service_death_at_each_step",
     "test_train.py::test_torchrun_learns_the_target",
     "test_operating.py::test_stop_start_crash_and_relaunch",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from handlers.render.redact import redact
 from handlers.render.views import ago, slack_time
 from pipeline.verdict import StoredVerdict, Verdict
@@ -19,8 +21,6 @@ ENDINGS = ("training-done", "training-failed")  # handoff steps that end a run: 
 
 def who_as_mentions(text: str) -> str:
     """"slack:U0123" (how the controller records a Slack user) as a mention, so who did what stays visible."""
-    import re
-
     return re.sub(r"\bslack:([UW][A-Z0-9]{2,})\b", r"<@\1>", text)
 
 
@@ -42,7 +42,8 @@ def _event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), 
     took = f" after {ago(took_s)}" if took_s else ""
     if kind == "verdict":
         to, frm = Verdict.of(d.get("to")), Verdict.of(d.get("from"))
-        evidence = redact("\n".join(f"• {r}" for r in d.get("reasons") or []), patterns=patterns)
+        evidence = live_ago(redact("\n".join(f"• {r}" for r in d.get("reasons") or []), patterns=patterns),
+                            event.get("t"))
         if to and to.stuck:
             return "alert", f":rotating_light: {mention(oncall)} *{stage} is {to}*{on}\n{evidence}", None
         if frm and frm.stuck and to and to.working:
@@ -82,10 +83,29 @@ def _event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), 
     return None
 
 
-def resolved_text(original: str, after_s: float) -> str:
-    """The alert as it reads once resolved: its headline struck through, and for how long it lasted."""
+_AGO = re.compile(r"\b(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)? ago\b")
+
+
+def live_ago(text: str, t: float | None) -> str:
+    """A reason's "3m12s ago" (as of `t`, when it was judged) as a Slack date token, which stays true as the
+    message ages (a frozen "0s ago" in a post read an hour later is wrong). Unchanged without a time."""
+    if t is None:
+        return text
+
+    def token(m: re.Match) -> str:
+        if not any(m.groups()):
+            return m.group(0)
+        h, mi, s = (int(g or 0) for g in m.groups())
+        return slack_time(t - (h * 3600 + mi * 60 + s), "{ago}")
+    return _AGO.sub(token, text)
+
+
+def resolved_text(original: str, after_s: float, *, taken_by: str | None = None) -> str:
+    """The alert as it reads once resolved: its headline struck through, for how long it lasted, and who had
+    acknowledged it (`taken_by`: "slack:U…" or a CLI user), if anyone."""
     head = original.split("\n", 1)[0]
-    return f"~{head}~\n:white_check_mark: resolved after {ago(after_s)} (details in the thread)"
+    taken = f" · {who_as_mentions(taken_by)} was on it" if taken_by else ""
+    return f"~{head}~\n:white_check_mark: resolved after {ago(after_s)}{taken} (details in the thread)"
 
 
 def escalation_text(stage: str, since_s: float, oncall: list[str], host: str = "") -> str:

@@ -18,6 +18,7 @@ from slack_sdk.models.blocks import (
 from handlers.render.views import ago, plain_times, run_label, slack_time
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
 from pipeline.status import RunStatus, StageStatus
+from pipeline.train.outdir import accepted_length
 from pipeline.verdict import fmt_bytes
 
 SECTION_LIMIT = 3000
@@ -188,7 +189,7 @@ def final_blocks(status: RunStatus, *, run: str, closed: str | None, host: str =
     """The run's status post as it is left once the run closed: how each of its stages ended, how long it ran,
     its samples (or steps) and tokens, training's last loss and top-1 by depth; no buttons."""
     now = now or time.time()
-    lines = []
+    lines, gpu_hours = [], 0.0
     for name, st in status.stages.items():
         if not st.started or st.run != run:
             continue
@@ -206,9 +207,15 @@ def final_blocks(status: RunStatus, *, run: str, closed: str | None, host: str =
         acc = [a for a in prog.get("acc_by_depth") or [] if a is not None]
         if acc:
             parts.append("top-1 by depth " + ", ".join(f"{a:.2f}" for a in acc[:4]))
+            parts.append(f"τ ≈ {1 + accepted_length(acc):.2f} at depth {len(acc)} (validation"
+                         + (f", step {prog['validated_at_step']})" if prog.get("validated_at_step") else ")"))
+        if st.gpus and st.ended_at and st.started_at:  # the GPUs the stage held, for as long as it ran
+            used = len(st.gpus) * (st.ended_at - st.started_at) / 3600
+            gpu_hours += used
+            parts.append(f"{len(st.gpus)} GPU{'s' if len(st.gpus) > 1 else ''}, {used:.2f} GPU-h")
         lines.append(" · ".join(parts))
     head = (f"*Run {run}*" + (f" on `{host}`" if host else "") + " — *ended*"
-            + (f": {closed}" if closed else ""))
+            + (f": {closed}" if closed else "") + (f" · {gpu_hours:.2f} GPU-hours in all" if gpu_hours else ""))
     body = "\n".join(lines) or "No stage ran in this run."
     blocks = [SectionBlock(text=MarkdownTextObject(text=_clip(f"{head}\n{body}"))),
               ContextBlock(elements=[MarkdownTextObject(text=f"final · as of {slack_time(now)}")])]

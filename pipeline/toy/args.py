@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", type=float, default=0.0)
     p.add_argument("--error-rate", type=float, default=0.0)
     p.add_argument("--hang-after", type=int, default=0, help="hang every /generate after N requests")
+    p.add_argument("--hang-for", type=float, default=0.0, metavar="S",
+                   help="with --hang-after: the hang ends S seconds after it began (a server that wedges, then "
+                        "recovers by itself); 0: for ever")
     p.add_argument("--crash-after", type=int, default=0, help="exit abruptly on request N+1")
     p.add_argument("--wrong-rows-every", type=int, default=0, help="drop one row from every Nth response")
     p.add_argument("--fixed-reply", action="store_true", help="skip the model (client benchmarks)")

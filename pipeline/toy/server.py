@@ -46,9 +46,22 @@ class ToyState:
         self.generate_count = 0
         self.running = 0
         self.max_running = 0
+        self.hang_until: float | None = None  # --hang-for: when the hang that began ends (monotonic)
         self.rng = random.Random(opts.seed)
         # the layers whose inputs are captured, as a Llama target in SGLang maps --return-aux-hidden-state-layer-ids
         self.capture = captured_layers(getattr(opts, "aux_layer_ids", None), LAYERS)
+
+    def hang(self, for_s: float) -> None:
+        """Block this request: for ever, or (`for_s` > 0) until `for_s` after the first hung request arrived;
+        requests after that end are answered again."""
+        if not for_s:
+            threading.Event().wait()
+        with self.lock:
+            if self.hang_until is None:
+                self.hang_until = time.monotonic() + for_s
+            left = self.hang_until - time.monotonic()
+        if left > 0:
+            time.sleep(left)
 
     def layers(self) -> int:
         return 3 if self.opts.stock else 4
@@ -181,7 +194,7 @@ def make_handler(state: ToyState):
                 if o.crash_after and n > o.crash_after:
                     os._exit(1)
                 if o.hang_after and n > o.hang_after:
-                    threading.Event().wait()
+                    state.hang(o.hang_for)
                 if o.latency_ms:
                     time.sleep(o.latency_ms / 1000)
                 if fail:

@@ -79,6 +79,8 @@ def test_demo_tells_the_whole_story_in_a_slack_channel_and_leaves_nothing_runnin
     posts, updates = fake.of("chat.postMessage"), fake.of("chat.update")
     status_ts = f"1790000000.{fake.calls.index(('chat.postMessage', posts[0])) + 1:06d}"
     assert "*Run " in str(posts[0]["blocks"]) and updates and {u["ts"] for u in updates} == {status_ts}
+    last = str(updates[-1]["blocks"])  # the final render: how each stage ended, no live button (issue 50)
+    assert "*ended*: training finished (exit 0)" in last and "*train*: done" in last and "actions" not in last, last
     replies = [p["text"] for p in posts if p.get("thread_ts") == status_ts]
     for step in ("stopping-server", "waiting-for-gpu-release", "launching-training", "training-running"):
         assert any(f"*{step}*" in r for r in replies), replies

@@ -503,8 +503,9 @@ def test_the_status_post_gets_a_final_render_when_the_run_ends(env):
     store.put_verdict("train", StoredVerdict.from_json({"proc_id": tr, "verdict": "done", "done": 60, "total": 60,
                                                         "reasons": ["exited 0"], "final": True}))
     store.add_observation({"t": t0, "stage": "train", "progress": {"done": 60, "total": 60, "unit": "steps",
-                                                                   "loss": 0.8123, "acc_by_depth": [0.61, 0.42]}},
-                          run_id=run)
+                                                                   "loss": 0.8123, "acc_by_depth": [0.61, 0.42],
+                                                                   "validated_at_step": 60},
+                           "gpus": [{"index": 0}, {"index": 1}]}, run_id=run)
     due = n.final_due(store)
     assert due is not None and due[0] == run
     n.post_final(store, ctl.status(sample_if_unmonitored=False), *due)
@@ -514,6 +515,9 @@ def test_the_status_post_gets_a_final_render_when_the_run_ends(env):
     assert f"*Run {run}*" in text and "ended*: training finished (exit 0)" in text
     assert "*extract*: done after 50m" in text and "300 / 300" in text
     assert "*train*: done after 10m" in text and "final loss 0.8123" in text and "top-1 by depth 0.61, 0.42" in text
+    # τ from the validation's top-1 by depth (1 + 0.61 + 0.61 × 0.42), and the GPUs it held for its 10 minutes
+    assert "τ ≈ 1.87 at depth 2 (validation, step 60)" in text and "2 GPUs, 0.33 GPU-h" in text, text
+    assert "0.33 GPU-hours in all" in text
     assert all(b["type"] != "actions" for b in final["blocks"]), "no live button on an ended run"
     assert n.final_due(store) is None, "once"
 
@@ -596,3 +600,40 @@ def test_an_acknowledged_stall_is_not_escalated_and_keeps_its_text_with_who_is_o
     text = json.dumps(blocks)
     assert "<@UONCALL> is on it since" in text and ACTION_ACK not in text and "is stalled" in text
     assert [e["data"]["by"] for e in store.events(kind="acknowledged")] == ["slack:UONCALL"]
+
+
+def test_a_stall_that_ends_without_a_recovery_resolves_its_alert_and_its_ending_still_posts(env):
+    """Stalled → done (the server came back and extraction finished within a tick) or stalled → stopped (a restart
+    by hand): the alert is resolved in place, with how it ended under it; it never stays open for ever."""
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    verdict(store, "extract", "progressing", "stalled")
+    n.tick(store)
+    env["clock"]["t"] += 75
+    verdict(store, "extract", "stalled", "done", ("exited 0 with 80 / 80 done",))
+    n.tick(store)
+    n.tick(store)
+    assert "resolved after 1m" in fake.of("chat.update")[-1]["text"]
+    replies = [p["text"] for p in fake.of("chat.postMessage") if p.get("thread_ts")]
+    assert any("extract: stalled → done (exited 0" in r for r in replies), replies
+    assert any("*extract is done*" in p["text"] for p in fake.of("chat.postMessage")), "its ending is still said"
+
+
+def test_a_handoff_step_is_told_once_however_often_its_reason_changes(env):
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    n.tick(store)
+    for reason in ("waiting for verified completion", "waiting: manifest unreadable", "waiting: 9 of 80 processed"):
+        store.add_event(kind="handoff", run_id="r1", data={"step": "waiting-for-completion", "reason": reason})
+    store.add_event(kind="handoff", run_id="r1", data={"step": "stopping-server", "reason": "verified complete"})
+    n.tick(store)
+    texts = [p["text"] for p in fake.of("chat.postMessage")]
+    assert [t.split(" — ")[0] for t in texts] == ["auto-start: *waiting-for-completion*",
+                                                   "auto-start: *stopping-server*"], texts
+
+
+def test_a_reasons_ago_becomes_a_date_token_that_stays_true():
+    from handlers.render.alerts import live_ago
+
+    assert live_ago("• last progress 3m12s ago", 1_000_000.0) == "• last progress <!date^999808^{ago}|at 13:43 UTC>"
+    assert live_ago("• last progress 0s ago; no progress for 8s", 100.0).startswith("• last progress <!date^100^")
+    assert live_ago("nothing ago here", 5.0) == "nothing ago here" and live_ago("2h05m ago", None) == "2h05m ago"
