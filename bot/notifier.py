@@ -25,7 +25,8 @@ from handlers.render.alerts import (
     milestone_text,
     resolved_text,
 )
-from handlers.render.blocks import final_blocks, status_blocks, text_blocks
+from handlers.render.blocks import choice_note, final_blocks, status_blocks, text_blocks
+from handlers.verbs import LABELS, STATUS_ACTIONS
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.handoff.machine import TRAINING, TRAINING_DONE, TRAINING_FAILED, handoff_state
 from pipeline.observe.charts import alt_text, render_run
@@ -289,7 +290,10 @@ class Notifier:
         """Enqueue the run's status message; delivery updates it in place after the first post."""
         if not self.channel:
             return
-        text, blocks = status_blocks(status, version=version, host=self.host)
+        # who chose what on it stays on it (a click's note is not overwritten by the next change-driven edit)
+        chose = store.last_choice([LABELS[a] for a in STATUS_ACTIONS], run=status.run) if status.run else None
+        note = choice_note(chose["user"], chose["action"], chose["t"], chose["detail"]) if chose else None
+        text, blocks = status_blocks(status, version=version, host=self.host, note=note)
         store.enqueue(channel=self.channel, kind="status", text=text, blocks=blocks,
                       update_key=f"status:{status.run}")
         self.status_posted = (status_signature(store), self.clock())

@@ -16,16 +16,15 @@ from handlers.render.blocks import (
     ACTION_KEEP,
     ACTION_LATER,
     ACTION_TRAIN,
+    choice_note,
     status_blocks,
     text_blocks,
 )
 from handlers.render.views import SLASH, autostart_text, slack_time, stop_text
 from handlers.slash import answer, train_later
-from handlers.verbs import LABELS
+from handlers.verbs import LABELS, STATUS_ACTIONS
 from pipeline.errors import UserError
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE
-
-STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # the status post's buttons
 
 
 def register(app, *, controller_factory, ws) -> None:
@@ -63,7 +62,7 @@ def register(app, *, controller_factory, ws) -> None:
                     result = str(exc)
             ctl.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
                             detail=result)
-            text = f"<@{user}> chose *{LABELS[action_id]}* at {slack_time(time.time())}: {result}"
+            text = choice_note(user, LABELS[action_id], time.time(), result)
             if action_id == ACTION_ACK:  # the alert stays the alert, with who is on it
                 blocks = acknowledged_blocks((body.get("message") or {}).get("blocks"), user, time.time())
                 text = (body.get("message") or {}).get("text") or text

@@ -49,6 +49,8 @@ LABELS = {ACTION_AUTOSTART: "Auto-start training", ACTION_CANCEL: "Cancel auto-s
           ACTION_CONFIRM: "Confirm", ACTION_KEEP: "Keep it running", ACTION_SNOOZE: "Snooze 1 h",
           ACTION_TRAIN: "Start training", ACTION_ACK: "Acknowledge"}
 
+STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # the status post's buttons
+
 # Buttons anyone in an allowed channel may press: reading, a reminder, "keep it running". Every other action,
 # a listener added later included, is mutating until said otherwise: a new button is refused for a stranger.
 READ_ONLY_ACTIONS = frozenset({ACTION_LATER, ACTION_LOGS, ACTION_KEEP})

@@ -426,6 +426,14 @@ class Store:
             where, args = where + " AND kind = ?", args + [kind]
         return [dict(r, data=json.loads(r["data"])) for r in self.db["events"].rows_where(where, args, order_by="id")]
 
+    def last_choice(self, actions: list[str], *, run: str) -> dict | None:
+        """The newest audit row of one of `actions` done while `run` was open (who chose what on its status post)."""
+        row = self.db.execute(
+            f"SELECT a.t, a.user, a.action, a.detail FROM audit a JOIN runs r ON r.id = ? WHERE a.outcome = 'done' "
+            f"AND a.action IN ({', '.join('?' * len(actions))}) AND a.t >= r.opened_at ORDER BY a.id DESC LIMIT 1",
+            [run, *actions]).fetchone()
+        return dict(zip(("t", "user", "action", "detail"), row, strict=True)) if row else None
+
     def audit(self, *, user: str, channel: str | None, action: str, outcome: str, detail: str = "") -> None:
         """Record an action, allowed or refused."""
         self.db["audit"].insert(

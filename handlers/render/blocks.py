@@ -184,6 +184,13 @@ def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
     return f"{name}: {st.verdict or st.state} — {sentence}", [b.to_dict() for b in blocks]
 
 
+def choice_note(user: str, label: str, t: float, result: str) -> str:
+    """Who chose what on the status post, when, and what came of it: the note the post keeps (`user`: "slack:U…"
+    as the audit records it, or a bare Slack id)."""
+    who = f"<@{user.removeprefix('slack:')}>" if user.startswith("slack:") or user[:1] in "UW" else user
+    return f"{who} chose *{label}* at {slack_time(t)}: {result}"
+
+
 def final_blocks(status: RunStatus, *, run: str, closed: str | None, host: str = "",
                  now: float | None = None) -> tuple[str, list]:
     """The run's status post as it is left once the run closed: how each of its stages ended, how long it ran,

@@ -637,3 +637,25 @@ def test_a_reasons_ago_becomes_a_date_token_that_stays_true():
     assert live_ago("• last progress 3m12s ago", 1_000_000.0) == "• last progress <!date^999808^{ago}|at 13:43 UTC>"
     assert live_ago("• last progress 0s ago; no progress for 8s", 100.0).startswith("• last progress <!date^100^")
     assert live_ago("nothing ago here", 5.0) == "nothing ago here" and live_ago("2h05m ago", None) == "2h05m ago"
+
+
+def test_who_chose_what_on_the_status_post_stays_through_the_next_edit(env):
+    """A click's note ("<@U> chose *Auto-start training* …") is part of the post from then on: the change-driven
+    edit a second later re-renders the post with it, not without it; another run's choice is not shown."""
+    from pipeline.controller import Controller
+
+    n, store, fake = env["notifier"](), env["store"], env["fake"]
+    ctl = Controller(workspace=env["ws"], store=store)
+    run = store.open_run()
+    store.audit(user="slack:UOK", channel="C1", action="Auto-start training", outcome="done", detail="armed")
+    store.audit(user="slack:UOK", channel="C1", action="Snooze 1 h", outcome="done", detail="not a status button")
+    n.post_status(store, ctl.status(sample_if_unmonitored=False), ctl.state_version())
+    n.tick(store)
+    shown = str(fake.of("chat.postMessage")[-1]["blocks"])
+    assert "<@UOK> chose *Auto-start training* at <!date^" in shown and ": armed" in shown, shown
+    store.close_run(run, reason="all stages stopped")
+    env["clock"]["t"] += 10
+    run2 = store.open_run()
+    n.post_status(store, ctl.status(sample_if_unmonitored=False), ctl.state_version())
+    n.tick(store)
+    assert run2 != run and "chose" not in str(fake.of("chat.postMessage")[-1]["blocks"])
