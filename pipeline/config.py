@@ -231,6 +231,9 @@ class MetricsConfig(_Section):
 
     port: int | None = Field(default=None, ge=0, le=65535, description="Port for /metrics (unset: not served; 0: any).")
     host: str = Field(default="127.0.0.1", description="Address /metrics listens on.")
+    docs_url: str | None = Field(default=None, description="Base URL of this project's docs/ for the alert rules' "
+                                 "runbook links (eagle3_build_info's docs_url; unset: the checkout's repository web "
+                                 "view at its revision, else the install's docs/ as a file URL).")
 
 
 class SlurmConfig(_Section):

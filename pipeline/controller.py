@@ -19,6 +19,8 @@ from pipeline.store import KV, Store
 from pipeline.train.outdir import set_aside
 from pipeline.verdict import StoredVerdict, Verdict
 
+RESTART_BY_HAND = "restart-by-hand"  # the event a restart asked for by a person leaves (counted in the metrics)
+
 
 class TrainGuardError(UserError):
     """Training was asked for before extraction is verified complete."""
@@ -278,6 +280,7 @@ class Controller:
         self._check_stage(stage)
         old = self.store.latest_proc(stage)
         self.store.put(KV.restarting(stage), {"of": old.id if old else None, "t": self.store.clock()})
+        self.store.add_event(kind=RESTART_BY_HAND, run_id=self.store.current_run(), stage=stage, data={"by": by})
         try:
             return self.stop(stage, by=by), self.start(stage, by=by)
         finally:
@@ -304,10 +307,15 @@ class Controller:
         t = (self.store.get(KV.MONITOR) or {}).get("t")
         return float(t) if t else None
 
-    def restarts(self, stage: str) -> int:
-        """Restarts of `stage` by its on-failure policy in the current run."""
+    def restarts(self, stage: str) -> dict[str, int]:
+        """Restarts of `stage` in the current run: by its on-failure policy, and by hand (`eagle3 restart`, the
+        Slack verb)."""
         run = self.store.current_run()
-        return sum(1 for p in self.store.procs(stage) if p.run_id == run and p.restart_count) if run else 0
+        if not run:
+            return {"policy": 0, "hand": 0}
+        return {"policy": sum(1 for p in self.store.procs(stage) if p.run_id == run and p.restart_count),
+                "hand": sum(1 for e in self.store.events(kind=RESTART_BY_HAND)
+                            if e["run_id"] == run and e["stage"] == stage)}
 
     def monitor_running(self) -> bool:
         """True when `eagle3 serve` stored a heartbeat within the last two ticks."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import httpx
 import pytest
@@ -44,7 +45,8 @@ def test_a_scrape_has_the_values_the_store_says(tmp_path):
         assert m[("eagle3_stage_up", (("stage", "extract"),))] == 0.0
         assert m[("eagle3_stage_up", (("stage", "train"),))] == (1.0 if tr["state"] == "running" else 0.0)
         assert m[("eagle3_train_loss", ())] == 2.5 and m[("eagle3_train_kl", ())] == 0.25
-        assert m[("eagle3_slack_outbox_pending", ())] == float(st["outbox"]["pending"])
+        assert m[("eagle3_outbox_messages", (("state", "pending"),))] == float(st["outbox"]["pending"])
+        assert ("eagle3_slack_outbox_pending", ()) not in m  # one metric for one fact
         assert m[("eagle3_handoff_step", (("step", "off"),))] == 1.0
         # a stage never started has no progress sample: unknown is absent, never a 0
         assert not any(name == "eagle3_stage_progress_ratio" and ("stage", "server") in labels for name, labels in m)
@@ -54,17 +56,26 @@ def test_a_scrape_has_the_values_the_store_says(tmp_path):
         assert m[("eagle3_samples_total", (("stage", "extract"), ("status", "done")))] == float(ex["done"])
         assert m[("eagle3_samples_total", (("stage", "extract"), ("status", "failed")))] == float(ex["failed"] or 0)
         assert m[("eagle3_tokens_total", (("stage", "extract"),))] > 0
-        assert m[("eagle3_stage_restarts_total", (("stage", "extract"),))] == 0.0
+        assert m[("eagle3_stage_restarts_total", (("by", "policy"), ("stage", "extract")))] == 0.0
+        assert m[("eagle3_stage_restarts_total", (("by", "hand"), ("stage", "extract")))] == 0.0
+        disk = ex.get("disk") or {}
+        if disk.get("free_bytes") is not None:  # the disk reading of the stage's output, unknown fields absent
+            assert m[("eagle3_stage_disk_free_bytes", (("stage", "extract"),))] == float(disk["free_bytes"])
+        assert (("eagle3_stage_disk_fits", (("stage", "extract"),)) in m) == isinstance(disk.get("fits"), bool)
         assert m[("eagle3_train_step", ())] == 3.0
         assert ("eagle3_monitor_last_tick_timestamp_seconds", ()) not in m  # no monitor: absent, never 0
         assert m[("eagle3_outbox_messages", (("state", "failed"),))] == float(st["outbox"]["failed"])
-        assert [v for (name, _), v in m.items() if name == "eagle3_build_info"] == [1.0]
+        info = [labels for (name, labels), v in m.items() if name == "eagle3_build_info" and v == 1.0]
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        assert len(info) == 1 and dict(info[0])["revision"].split("-")[0] == head.stdout.strip(), info
+        assert dict(info[0])["docs_url"].endswith("/docs"), info  # the runbook links' base (a file URL here)
         assert m[("process_resident_memory_bytes", ())] > 0 and ("python_info" in {n for n, _ in m})
         ctl.store.put("monitor", {"pid": 1, "t": 1_790_000_000.0, "tick_s": 10})  # a heartbeat, as serve stores it
         m = scrape(f"http://127.0.0.1:{server.server_address[1]}/metrics")
         assert m[("eagle3_monitor_last_tick_timestamp_seconds", ())] == 1_790_000_000.0
         # the shipped alert rules and dashboard use only metrics a scrape carries
-        rules = (ROOT / "deploy" / "prometheus" / "eagle3-alerts.yml").read_text()
+        rules = (ROOT / "deploy" / "prometheus" / "eagle3-alerts.yml").read_text().replace(
+            "eagle3_docs_url", "")  # an external label Prometheus' own config sets, not a metric
         board = json.loads((ROOT / "deploy" / "grafana" / "eagle3.json").read_text())
         exprs = [rules] + [t["expr"] for p in board["panels"] for t in p["targets"]]
         used = {n for e in exprs for n in re.findall(r"\b(?:eagle3|process|python)_[a-z_]+\b", e)}

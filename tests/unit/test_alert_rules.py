@@ -65,7 +65,20 @@ def test_every_alert_has_severity_summary_and_a_runbook_into_the_guide():
     for r in rules:
         assert r["labels"]["severity"] in ("page", "warning"), r["alert"]
         assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
-        url = r["annotations"]["runbook_url"]
-        assert url.startswith("file:///opt/eagle3-ops/docs/operator.md#") and url.split("#", 1)[1] in anchors, url
+        url = r["annotations"]["runbook_url"]  # a base from the external label or the bot's docs_url, else docs/
+        assert "$externalLabels.eagle3_docs_url" in url and ".Labels.docs_url" in url, url
+        assert url.split("}}")[-1].startswith("/operator.md#") and url.split("#", 1)[1] in anchors, url
     fired = {t["alertname"] for case in tested["tests"] for t in case["alert_rule_test"] if t["exp_alerts"]}
     assert fired == names  # each alert is unit-tested firing
+
+
+@pytest.mark.parametrize("remote, url", [
+    ("git@github.com:org/eagle3-ops.git", "https://github.com/org/eagle3-ops/blob/abc123/docs"),
+    ("https://user:token@github.com/org/eagle3-ops.git", "https://github.com/org/eagle3-ops/blob/abc123/docs"),
+    ("ssh://git@gitlab.example.com/ml/eagle3-ops.git", "https://gitlab.example.com/ml/eagle3-ops/-/blob/abc123/docs"),
+    ("/srv/git/eagle3-ops", None), (None, None)])
+def test_the_runbook_base_is_the_checkouts_repository_web_view_without_credentials(remote, url):
+    from bot.metrics import web_docs_url
+
+    assert web_docs_url(remote, "abc123") == url
+    assert web_docs_url(remote, "unknown") is None

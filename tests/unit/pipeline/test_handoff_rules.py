@@ -305,7 +305,7 @@ def test_the_restart_policy_keeps_its_backoff_count_and_limit_on_the_process_row
         last = store.latest_proc("server")
         assert started == [1, 2] and last.restart_given_up and not last.in_backoff
         assert [e["kind"] for e in store.events(kind="restart-limit")] == ["restart-limit"]
-        assert Controller(workspace=ws, store=store).restarts("server") == 2
+        assert Controller(workspace=ws, store=store).restarts("server") == {"policy": 2, "hand": 0}
     finally:
         store.close()
 
@@ -416,5 +416,21 @@ def test_while_regeneration_runs_the_guard_says_so_with_its_count_not_start_extr
                              "when auto-start is armed"]
         text = train_guard_text(c)
         assert "regeneration is still running" in text and "start extract" not in text
+    finally:
+        store.close()
+
+
+def test_a_restart_by_hand_is_counted_apart_from_the_policys_and_per_run(tmp_path):
+    ws, store = used_ws(tmp_path)
+    try:
+        ctl = Controller(workspace=ws, store=store)
+        run = store.open_run()
+        ctl.stop = lambda stage, by: "stopped"  # the stop and start themselves are tested with real processes
+        ctl.start = lambda stage, by: "started"
+        assert ctl.restart("extract", by="slack:U1") == ("stopped", "started")
+        assert ctl.restarts("extract") == {"policy": 0, "hand": 1} and ctl.restarts("train") == {"policy": 0, "hand": 0}
+        store.close_run(run, reason="all stages stopped")
+        store.open_run()
+        assert ctl.restarts("extract") == {"policy": 0, "hand": 0}, "a new run counts from 0"
     finally:
         store.close()
