@@ -82,3 +82,36 @@ def test_the_runbook_base_is_the_checkouts_repository_web_view_without_credentia
 
     assert web_docs_url(remote, "abc123") == url
     assert web_docs_url(remote, "unknown") is None
+
+
+def test_the_dashboard_filters_by_host_colours_verdicts_and_marks_stalls_and_handoffs(promtool, tmp_path):
+    """deploy/grafana/eagle3.json: an `instance` variable every eagle3 query honours (two hosts are never merged),
+    a value mapping with a colour for every verdict and handoff step, annotations for stalls, handoff steps and
+    restarts — and every query is PromQL that Prometheus parses (checked by promtool as recording rules)."""
+    import json
+
+    from bot.metrics import HANDOFF_STEPS
+    from pipeline.verdict import VERDICTS
+
+    board = json.loads((ROOT / "deploy" / "grafana" / "eagle3.json").read_text())
+    assert any(v["name"] == "instance" for v in board["templating"]["list"])
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]] + [
+        a["expr"] for a in board["annotations"]["list"]]
+    for e in exprs:
+        for selector in re.findall(r"\b(?:eagle3_[a-z_]+|up|process_[a-z_]+)(\{[^}]*\})?", e):
+            assert 'instance=~"$instance"' in selector, e
+    panels = {p["title"]: p for p in board["panels"]}
+    for title, values in (("Verdict", VERDICTS), ("Handoff step", HANDOFF_STEPS)):
+        options = panels[title]["fieldConfig"]["defaults"]["mappings"][0]["options"]
+        assert sorted(o["text"] for o in options.values()) == sorted(values), title
+        assert all(o.get("color") for o in options.values()), title
+    colours = {o["text"]: o["color"] for o in panels["Verdict"]["fieldConfig"]["defaults"]["mappings"][0]["options"].values()}
+    assert colours["stalled"] != colours["progressing"]
+    names = {a["name"] for a in board["annotations"]["list"]}
+    assert {"Stalls and deaths", "Handoff", "Restarts"} <= names
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:q{i}", "expr": e.replace("$instance", ".*")} for i, e in enumerate(exprs)]}]}
+    f = tmp_path / "dashboard-queries.yml"
+    f.write_text(yaml.safe_dump(rules))
+    check = subprocess.run([promtool, "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
