@@ -2,12 +2,16 @@
 
 - extraction (or any sample-counting stage): samples done and failed over time, the ETA band
   projected forward while the stage still runs, the rate (samples/s, and tokens/s on its own
-  labelled axis), both from 0; markers where the stored verdict turned slow, stalled or dead (the
-  verdict events the alerts were sent from, not a recomputation) and where the stage was restarted;
+  labelled axis), both from 0, the rate ending at the last unit of a finished stage; each stall or death
+  shaded over its no-progress span (from the last progress to the recovery), a dotted line where the stored
+  verdict flagged it (the event the alert was sent from, not a recomputation), recoveries, restarts (by the
+  policy or by hand) and the handoff;
 - training: loss and KL, the learning rate and the validation's top-1 accuracy at depth 1, and
   tokens/s, all over time (the step is in the title);
-- GPUs, under either: utilisation per GPU with the stage that held it, and GPU memory (what the
-  handoff waits on before training).
+- GPUs, under either, where a GPU was ever read: utilisation per GPU with the stage that held it, and GPU
+  memory (what the handoff waits on before training).
+
+Legends sit above their panels (they cover no line or label); ticks are whole clock times.
 
 Sized for Slack: 960×840 px at 150 dpi, fonts chosen so that text is at least MIN_TEXT_PX tall when
 Slack shows the image 480 px wide (tests/unit/pipeline/test_charts.py measures it). Times are UTC, said
@@ -27,6 +31,13 @@ PREVIEW_PX = 480  # the width Slack previews an image at
 MIN_TEXT_PX = 7.0  # the smallest text height (at the preview width) that stays readable
 FONT_PT = 9.0
 MARKED = {"slow": "#d08c00", "stalled": "#c0392b", "dead": "#7f0000"}
+STUCK = ("stalled", "dead")  # verdicts whose no-progress span is shaded
+RECOVERED, RESTARTED, HANDOFF = "#2e8b57", "#555555", "#6a3d9a"
+HANDOFF_MARKS = {"stopping-server": "handoff", "launching-training": "training launched"}
+RESTART_KINDS = ("stage-restart", "restart-by-hand")
+# ConciseDateFormatter's formats by tick level (years, months, days, hours, minutes, seconds)
+TICK_FORMATS = ["%Y", "%b", "%d %b", "%H:%M", "%H:%M", "%H:%M:%S"]
+TICK_ZERO_FORMATS = ["", "%Y", "%d %b", "%d %b", "%H:%M", "%H:%M"]
 
 
 def _utc(t: float) -> datetime:
@@ -52,7 +63,9 @@ def draw(observations: list[dict], *, stage: str, events: list[dict] = (), title
     import matplotlib.pyplot as plt
 
     obs = [o for o in observations if isinstance(o.get("t"), (int, float))]
-    gpus = any(o.get("gpus") for o in obs)
+    # the GPU panels only where a GPU was ever read (a host without NVML draws no two empty panels)
+    gpus = any(isinstance(g, dict) and (g.get("util") is not None or g.get("mem_used_mb") is not None)
+               for o in obs for g in o.get("gpus") or [])
     rows = 4 if gpus else 2
     with plt.rc_context({"font.size": FONT_PT, "axes.titlesize": FONT_PT, "axes.labelsize": FONT_PT,
                          "xtick.labelsize": FONT_PT - 1, "ytick.labelsize": FONT_PT - 1,
@@ -60,11 +73,19 @@ def draw(observations: list[dict], *, stage: str, events: list[dict] = (), title
         fig, axes = plt.subplots(rows, 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, sharex=True,
                                  squeeze=False)
         axes = [a[0] for a in axes]
-        fig.suptitle(title or f"eagle3 — {stage}", fontsize=FONT_PT + 1)
+        step = next((o["progress"]["done"] for o in reversed(obs) if stage == "train"
+                     and isinstance(o.get("progress"), dict) and isinstance(o["progress"].get("done"), (int, float))),
+                    None)
+        fig.suptitle((title or f"eagle3 — {stage}") + (f" — step {int(step):,}" if step is not None else ""),
+                     fontsize=FONT_PT + 1)
         if not obs:
             axes[0].text(0.5, 0.5, "no observations yet", ha="center", va="center", transform=axes[0].transAxes)
         elif stage == "train":
             _training(axes[0], axes[1], obs)
+            steps = [(o["t"], o["progress"]) for o in obs if isinstance(o.get("progress"), dict)
+                     and isinstance(o["progress"].get("done"), (int, float))]
+            if steps:
+                _marks(axes[0], steps, events, end=obs[-1]["t"])
         else:
             last = verdict if verdict is not None else _recomputed(obs, stage)
             _progress(axes[0], obs, last, events)
@@ -72,10 +93,14 @@ def draw(observations: list[dict], *, stage: str, events: list[dict] = (), title
         if gpus:
             _gpus(axes[2], axes[3], obs)
         locator = mdates.AutoDateLocator(tz=UTC, minticks=3, maxticks=6)
+        # every tick a whole clock time ("18:30", "18:45"; seconds only where the span is that short), never a
+        # bare "15" or "30" that reads as a count
+        formatter = mdates.ConciseDateFormatter(locator, tz=UTC, formats=TICK_FORMATS, zero_formats=TICK_ZERO_FORMATS,
+                                                show_offset=True)
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.xaxis.set_major_locator(locator)
-            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=UTC))
+            ax.xaxis.set_major_formatter(formatter)
         axes[-1].set_xlabel("time (UTC)")
         fig.tight_layout()
     return fig
@@ -102,8 +127,8 @@ def render_run(store, stage: str, *, out: Path, run: str | None = None, since: f
     obs = list(store.observations(stage=stage, run=run, since=since))
     if not obs:
         return None, 0, run
-    events = [e for e in store.events() if e.get("stage") == stage and (not run or e.get("run_id") == run)
-              and (since is None or e["t"] >= since)]
+    events = [e for e in store.events() if (e.get("stage") == stage or e.get("kind") == "handoff")
+              and (not run or e.get("run_id") == run) and (since is None or e["t"] >= since)]
     stored = store.verdict(stage)
     verdict = stored if stored and (not run or stored.run == run) else None  # another run's: recomputed
     return render(obs, stage=stage, out=out, events=events, verdict=verdict,
@@ -125,8 +150,9 @@ def _legend(ax, *others) -> None:
     for o in others:
         h, lab = o.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab
-    if handles:
-        ax.legend(handles, labels, loc="upper left", framealpha=0.8)
+    if handles:  # above the plot, in a row: it covers no line, peak or marker label
+        ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncols=min(len(handles), 4),
+                  frameon=False, borderaxespad=0.2, handlelength=1.5, columnspacing=1.0)
 
 
 def _progress(ax, obs: list[dict], verdict: StoredVerdict, events) -> None:
@@ -152,20 +178,65 @@ def _progress(ax, obs: list[dict], verdict: StoredVerdict, events) -> None:
         if low is not None and high is not None:
             ax.axvspan(_utc(t_end + low), _utc(t_end + high), color="#1f77b4", alpha=0.12, label="ETA band")
     ax.set_ylim(bottom=0)
-    for e in events or ():  # the stored verdict changes: what the alerts said, when they said it
-        t, d = e.get("t"), e.get("data") or {}
-        if not isinstance(t, (int, float)):
-            continue
-        if e.get("kind") == "verdict" and d.get("to") in MARKED:
-            ax.axvline(_utc(t), color=MARKED[d["to"]], lw=1.2)
-            ax.annotate(d["to"], (_utc(t), 1.0), xycoords=("data", "axes fraction"), color=MARKED[d["to"]],
-                        rotation=90, va="top", ha="right")
-        elif e.get("kind") == "stage-restart":
-            ax.axvline(_utc(t), color="#555555", lw=1.0, ls="-.")
-            ax.annotate("restart", (_utc(t), 0.0), xycoords=("data", "axes fraction"), rotation=90, va="bottom",
-                        ha="right")
+    _marks(ax, pts, events, end=obs[-1]["t"])
     ax.set_ylabel(unit)
     _legend(ax)
+
+
+def _last_progress(pts: list[tuple[float, dict]], t: float) -> float:
+    """The time of the last progress (done or failed grew) at or before `t` (the first reading if none)."""
+    last, before = pts[0][0], None
+    for ti, p in pts:
+        if ti > t:
+            break
+        n = p["done"] + (p.get("failed") or 0)
+        if before is not None and n > before:
+            last = ti
+        before = n
+    return last
+
+
+def _marks(ax, pts: list[tuple[float, dict]], events, *, end: float) -> None:
+    """What happened, on the progress panel: each stall or death shaded over its no-progress span (from the last
+    progress before it was flagged to its recovery, or to now), a dotted line where the stored verdict flagged it
+    (what the alert said, when it said it), recoveries, restarts and the handoff."""
+    stuck: dict[str, float] | None = None  # {verdict, since: the flag's time}
+    spans, labelled = [], set()
+    for e in sorted((e for e in events or () if isinstance(e.get("t"), (int, float))), key=lambda e: e["t"]):
+        t, d, kind = e["t"], e.get("data") or {}, e.get("kind")
+        if kind == "verdict" and d.get("to") in STUCK and stuck is None:
+            stuck = {"verdict": d["to"], "flagged": t}
+        elif kind == "verdict" and stuck is not None and d.get("to") not in STUCK:
+            spans.append((stuck, t, d.get("to")))
+            stuck = None
+        elif kind == "verdict" and d.get("to") == "slow":
+            ax.axvline(_utc(t), color=MARKED["slow"], lw=0.8, ls=":")
+            ax.annotate("slow", (_utc(t), 1.0), xycoords=("data", "axes fraction"), color=MARKED["slow"],
+                        rotation=90, va="top", ha="right")
+        elif kind in RESTART_KINDS:
+            ax.axvline(_utc(t), color=RESTARTED, lw=1.0, ls="-." if kind == "stage-restart" else "--")
+            ax.annotate("restart" if kind == "stage-restart" else "manual", (_utc(t), 0.0),
+                        xycoords=("data", "axes fraction"), rotation=90, va="bottom", ha="right")
+        elif kind == "handoff" and d.get("step") in HANDOFF_MARKS:
+            ax.axvline(_utc(t), color=HANDOFF, lw=1.2)
+            ax.annotate(HANDOFF_MARKS[d["step"]], (_utc(t), 0.5), xycoords=("data", "axes fraction"), color=HANDOFF,
+                        rotation=90, va="center", ha="right")
+    if stuck is not None:
+        spans.append((stuck, None, None))
+    for stuck, until, to in spans:
+        colour = MARKED[stuck["verdict"]]
+        start = min(_last_progress(pts, stuck["flagged"]), stuck["flagged"])
+        label = f"{stuck['verdict']}: no progress" if stuck["verdict"] not in labelled else None
+        labelled.add(stuck["verdict"])
+        ax.axvspan(_utc(start), _utc(until if until is not None else max(end, stuck["flagged"])), color=colour,
+                   alpha=0.15, lw=0, label=label)
+        ax.axvline(_utc(stuck["flagged"]), color=colour, lw=1.0, ls=":")
+        ax.annotate(stuck["verdict"], (_utc(stuck["flagged"]), 1.0), xycoords=("data", "axes fraction"),
+                    color=colour, rotation=90, va="top", ha="right")
+        if until is not None and to != "stopped":
+            ax.axvline(_utc(until), color=RECOVERED if to != "done" else HANDOFF, lw=1.0)
+            ax.annotate("recovered" if to != "done" else "done", (_utc(until), 1.0),
+                        xycoords=("data", "axes fraction"), color=RECOVERED, rotation=90, va="top", ha="left")
 
 
 def _rate(ax, obs: list[dict]) -> None:
@@ -177,6 +248,10 @@ def _rate(ax, obs: list[dict]) -> None:
             n = (p1["done"] + (p1.get("failed") or 0)) - (p0["done"] + (p0.get("failed") or 0))
             k = (p1.get("tokens_done") or 0) - (p0.get("tokens_done") or 0)
             rows.append((_utc(t1), n / (t1 - t0), k / (t1 - t0) if p1.get("tokens_done") is not None else None))
+    total, last = pts[-1][1].get("total") if pts else None, pts[-1][1] if pts else {}
+    if total and last.get("done", 0) + (last.get("failed") or 0) >= total:
+        while rows and rows[-1][1] == 0:  # finished: the line ends at the last unit, not in a drop to 0
+            rows.pop()
     if not rows:
         return
     unit = pts[-1][1].get("unit") or "samples"
@@ -215,10 +290,6 @@ def _training(ax, ax2, obs: list[dict]) -> None:
         tw.set_ylim(0, 1)
         tw.set_ylabel("accuracy", color="#2ca02c")
         others.append(tw)
-    step = next((o["progress"]["done"] for o in reversed(obs) if isinstance(o.get("progress"), dict)
-                 and isinstance(o["progress"].get("done"), (int, float))), None)
-    if step is not None:
-        ax.set_title(f"step {int(step):,}", loc="right")
     _legend(ax, *others)
     tok = _series(obs, "tokens_per_s")
     if tok:
@@ -255,5 +326,7 @@ def _gpus(ax, mem_ax, obs: list[dict]) -> None:
     ax.set_ylim(-5, 105)
     mem_ax.set_ylabel("GPU memory GiB")
     mem_ax.set_ylim(bottom=0)
-    if len(series) <= 8:
-        ax.legend(loc="upper left", ncols=min(4, len(series)), framealpha=0.8, title="GPU")
+    if len(series) <= 8:  # above the panel, as the others: "GPU 0 (extract)"
+        ax.legend([f"GPU {line.get_label()}" for line in ax.get_lines()], loc="lower left", bbox_to_anchor=(0.0, 1.0),
+                  ncols=min(len(series), 8 if not any(holders.values()) else 4), frameon=False, borderaxespad=0.2,
+                  handlelength=1.2, columnspacing=0.8)

@@ -3,6 +3,7 @@ the stall marked where the stored verdict event put it, and no projection once f
 
 from __future__ import annotations
 
+import re
 import struct
 
 import pytest
@@ -97,3 +98,56 @@ def test_the_stall_is_marked_where_the_stored_event_says_and_a_finished_chart_pr
 
 def test_no_observations_still_draws(tmp_path):
     assert png_size(render([], stage="server", out=tmp_path / "e.png"))[0] == WIDTH_PX
+
+
+def stamp(x) -> float:
+    """Unix seconds of a plotted x (a datetime, or matplotlib's date number)."""
+    import matplotlib.dates as mdates
+
+    return x.timestamp() if hasattr(x, "timestamp") else mdates.num2date(x).timestamp()
+
+
+def test_a_stall_is_shaded_from_its_last_progress_to_its_recovery_and_restarts_and_the_handoff_are_marked():
+    """Issue 50: the no-progress span is shaded (not a line at the verdict's time, 31 s to 5 min after progress
+    stopped), the flag is a dotted line, the recovery, a restart by hand and the handoff are marked; legends sit
+    above their panels; ticks are clock times; no GPU panel where no GPU was ever read; a finished stage's rate
+    ends at its last unit instead of dropping to 0."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    obs = simulate(Scenario("stall", samples=600, stall_at_s=300)).observations
+    for o in obs:
+        o["gpus"] = [{"index": 0, "util": None, "mem_used_mb": None}]  # NVML never answered
+    stopped = max(o["t"] for o, prev in zip(obs[1:], obs, strict=False) if o["progress"]["done"] > prev["progress"]["done"])
+    flagged, recovered = stopped + 95.0, stopped + 700.0
+    events = [{"kind": "verdict", "t": flagged, "data": {"from": "progressing", "to": "stalled"}},
+              {"kind": "restart-by-hand", "t": stopped + 400.0},
+              {"kind": "verdict", "t": recovered, "data": {"from": "stalled", "to": "progressing"}},
+              {"kind": "handoff", "t": obs[-1]["t"] - 5, "data": {"step": "stopping-server"}}]
+    fig = draw(obs, stage="extract", events=events)
+    try:
+        assert len(fig.axes) == 3, "progress, rate (and its tokens axis); no GPU panels"
+        ax = fig.axes[0]
+        spans = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_width() > 0]
+        xs = sorted(stamp(x) for p in spans for x in (p.get_x(), p.get_x() + p.get_width()))
+        assert xs[0] == pytest.approx(stopped, abs=1e-3) and xs[-1] == pytest.approx(recovered, abs=1e-3)
+        labels = [t.get_text() for t in ax.texts]
+        assert {"stalled", "recovered", "manual", "handoff"} <= set(labels), labels
+        fig.canvas.draw()
+        for a in fig.axes:
+            legend = a.get_legend()
+            if legend:
+                assert legend.get_window_extent().y0 >= a.get_window_extent().y1 - 1, "a legend above its panel"
+        ticks = [t.get_text() for t in fig.axes[-1].get_xticklabels() if t.get_text()]
+        assert ticks and all(re.fullmatch(r"\d\d:\d\d(:\d\d)?", t) for t in ticks), ticks
+    finally:
+        plt.close(fig)
+    done = simulate(Scenario("extract", samples=300, order="ascending")).observations
+    done += [{**done[-1], "t": done[-1]["t"] + 10 * i} for i in range(1, 6)]  # observed on after the last sample
+    fig = draw(done, stage="extract")
+    try:
+        rate = fig.axes[1].get_lines()[0]
+        assert min(rate.get_ydata()) > 0, "the rate line does not drop to 0 at the end"
+        assert stamp(rate.get_xdata()[-1]) <= done[-6]["t"] + 1e-3
+    finally:
+        plt.close(fig)
