@@ -202,7 +202,8 @@ def final_blocks(status: RunStatus, *, run: str, closed: str | None, host: str =
             continue
         how = st.verdict or st.state
         took = f" after {ago(st.ended_at - st.started_at)}" if st.ended_at and st.started_at else ""
-        parts = [f"*{name}*: {how}{took}" + (f" ({st.reason})" if st.reason and how not in ("done",) else "")]
+        why = "stopped on request" if st.stop_requested else st.reason  # a SIGTERM asked for is no "killed by"
+        parts = [f"*{name}*: {how}{took}" + (f" ({why})" if why and how not in ("done",) else "")]
         prog = st.progress if isinstance(st.progress, dict) else {}
         if st.total:
             unit = prog.get("unit") or "samples"
@@ -213,7 +214,7 @@ def final_blocks(status: RunStatus, *, run: str, closed: str | None, host: str =
             parts.append(f"final loss {prog['loss']:.4g}")
         acc = [a for a in prog.get("acc_by_depth") or [] if a is not None]
         if acc:
-            parts.append("top-1 by depth " + ", ".join(f"{a:.2f}" for a in acc[:4]))
+            parts.append("top-1 by depth " + ", ".join(f"{a:.2f}" for a in acc[:8]))
             parts.append(f"τ ≈ {1 + accepted_length(acc):.2f} at depth {len(acc)} (validation"
                          + (f", step {prog['validated_at_step']})" if prog.get("validated_at_step") else ")"))
         if st.gpus and st.ended_at and st.started_at:  # the GPUs the stage held, for as long as it ran

@@ -106,7 +106,8 @@ def test_a_whole_demo_run_told_in_a_channel(tmp_path):
 
     # the final render: every stage's ending, no live button, and nothing edits it afterwards
     final_text = _texts(last)
-    for said in ("*server*", "*extract*: done", "*train*: done"):
+    for said in ("*server*: stopped after", "(stopped on request)", "*extract*: done", "*train*: done", "τ ≈ ",
+                 "GPU-hours in all"):
         assert said in final_text, final_text
     assert [u for u in fake.of("chat.update") if u["ts"] == status_ts][-1] is last
 
