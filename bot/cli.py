@@ -508,10 +508,10 @@ def cmd_chart(args) -> int:
                arg("--with-embeddings", metavar="TARGET_DIR",
                    help="also write the target's embedding (SGLang swaps the target's in without it)")))
 def cmd_export(args) -> int:
-    from pipeline.train.export import export_checkpoint, launch_line
+    from pipeline.train.export import export_checkpoint, launch_line, tp_line
     out = export_checkpoint(Path(args.checkpoint), Path(args.out),
                             with_embeddings=Path(args.with_embeddings) if args.with_embeddings else None)
-    print(f"wrote {out} (LlamaForCausalLMEagle3; checked against SGLang's load rules)")
+    print(f"wrote {out} (LlamaForCausalLMEagle3; checked against SGLang's load rules); {tp_line(out)}")
     print(f"serve it with: {launch_line(out, args.with_embeddings or 'TARGET_MODEL')}")
     return 0
 

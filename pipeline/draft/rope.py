@@ -80,6 +80,8 @@ def normalise(scaling, *, where: str = "rope_scaling") -> dict | None:
             out[key] = value
     if float(out.get("factor", 1.0)) <= 0:
         raise RopeError(f"{where}.factor: {out['factor']} must be positive")
+    if "factor" in out:  # SGLang's LinearScalingRotaryEmbedding refuses an int factor; a float means the same
+        out["factor"] = float(out["factor"])
     return out
 
 

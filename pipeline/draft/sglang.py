@@ -113,7 +113,40 @@ def config_problems(c: dict) -> list[str]:
         rope.from_config(c)
     except rope.RopeError as exc:
         problems.append(f"config.json: {exc}")
+    scaling = c.get("rope_scaling") if isinstance(c.get("rope_scaling"), dict) else {}
+    if rope.rope_type(scaling) == "linear" and isinstance(scaling.get("factor"), int):
+        problems.append(f"config.json: rope_scaling.factor is the integer {scaling['factor']}: SGLang's "
+                        "LinearScalingRotaryEmbedding takes a float (write it as a float)")
     return problems
+
+
+TP_SIZES = (1, 2, 4, 8, 16)  # the tensor-parallel sizes targets are served at (Kimi on 2×8 H100: 16)
+
+
+def loads_at_tp(c: dict, tp: int) -> str | None:
+    """Why SGLang's LlamaAttention would refuse the draft at tensor-parallel size `tp` (None: it loads): the
+    heads are split across the ranks (`total_num_heads % tp_size == 0`), and the KV heads either split
+    (as many or more than the ranks) or are replicated (`tp_size % total_num_kv_heads == 0`)."""
+    heads, kv = int(c.get("num_attention_heads") or 0), int(c.get("num_key_value_heads") or c.get("num_attention_heads") or 0)
+    if heads <= 0 or kv <= 0:
+        return "no attention heads in config.json"
+    if heads % tp:
+        return f"{heads} attention heads do not split across {tp} ranks"
+    if kv >= tp and kv % tp or kv < tp and tp % kv:
+        return f"{kv} KV heads neither split across nor replicate over {tp} ranks"
+    return None
+
+
+def tp_summary(c: dict) -> tuple[list[int], list[str]]:
+    """(the TP sizes of TP_SIZES the draft loads at, why it does not at each of the others)."""
+    ok, refused = [], []
+    for tp in TP_SIZES:
+        why = loads_at_tp(c, tp)
+        if why is None:
+            ok.append(tp)
+        else:
+            refused.append(f"TP {tp}: {why}")
+    return ok, refused
 
 
 def load_rules(c: dict, tensors: dict[str, torch.Tensor], *, embedding_from_target: bool = True) -> tuple[Loaded, list[str]]:
@@ -189,15 +222,18 @@ def read_export(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads((directory / "config.json").read_text()), load_file(str(directory / "model.safetensors"))
 
 
-def check_export(directory: Path) -> list[str]:
-    """Every problem SGLang's rules find in an export directory (empty: it loads)."""
+def check_export(directory: Path, *, tp: int | None = None) -> list[str]:
+    """Every problem SGLang's rules find in an export directory (empty: it loads), at tensor-parallel size `tp`
+    when given."""
     try:
         c, tensors = read_export(directory)
     except FileNotFoundError as exc:
         return [f"{directory}: {Path(exc.filename).name} missing"]
     except Exception as exc:  # noqa: BLE001
         return [f"{directory}: unreadable ({type(exc).__name__}: {exc})"]
-    return load_rules(c, tensors)[1]
+    problems = load_rules(c, tensors)[1]
+    why = loads_at_tp(c, tp) if tp else None
+    return problems + ([f"at --tp-size {tp}: {why}"] if why else [])
 
 
 class SglangDraft:

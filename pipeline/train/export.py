@@ -103,6 +103,18 @@ def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | No
     return out
 
 
+def tp_line(draft: Path) -> str:
+    """Which tensor-parallel sizes SGLang loads the exported draft at, and why not at the others (a warning)."""
+    from pipeline.draft.sglang import tp_summary
+
+    ok, refused = tp_summary(json.loads((Path(draft) / "config.json").read_text()))
+    line = f"loads at tensor-parallel sizes {', '.join(map(str, ok)) or 'none'}"
+    if refused:
+        line += ("; WARNING: not at " + "; ".join(refused)
+                 + " — serve the target at a size it loads at, or retrain with --heads/--kv-heads that divide it")
+    return line
+
+
 def draft_note(train_out: Path | None, argv: list[str], *, cwd: Path) -> str:
     """'; draft for SGLang: DIR — serve with: …' for the trainer's OUT/draft, '' when it is not there."""
     if train_out is None or not (train_out / "draft" / "config.json").exists():

@@ -33,7 +33,7 @@ from pipeline.train.data import (
     to_device,
     token_counts,
 )
-from pipeline.train.export import export_checkpoint, launch_line
+from pipeline.train.export import export_checkpoint, launch_line, tp_line
 from pipeline.train.model import (
     DraftConfig,
     Eagle3Draft,
@@ -82,9 +82,10 @@ def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) ->
     p.add_argument("--ttt", type=int, default=7, help="training-time-test unroll steps (default 7)")
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary: the N most frequent target tokens of the "
                                                    "loss-masked data (default 32000, or the target's if smaller)")
-    p.add_argument("--heads", type=int, help="attention heads (default: the target's num_attention_heads; for an MLA "
-                                             "target such as Kimi or DeepSeek, hidden/128 as SpecForge's DeepSeek-V3 "
-                                             "draft)")
+    p.add_argument("--heads", type=int, help="attention heads (default: the target's num_attention_heads; for "
+                                             "Kimi-K2/K2.5, 64 at hidden 7168 as SpecForge's Kimi draft, which splits "
+                                             "at TP 16; for another MLA target such as DeepSeek, hidden/128 as "
+                                             "SpecForge's DeepSeek-V3 draft)")
     p.add_argument("--kv-heads", type=int, help="key/value heads (default: the target's num_key_value_heads; 8 for an "
                                                 "MLA target)")
     p.add_argument("--head-dim", type=int, help="width of each head (default: the target's head_dim, else hidden/heads; "
@@ -180,6 +181,17 @@ MLA_HEAD_DIM, MLA_KV_HEADS, MLA_INTERMEDIATE_PER_HIDDEN = 128, 8, 40960 / 7168
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 
 
+# SpecForge's EAGLE-3 draft for Kimi-K2.5 (configs/kimi-k25-eagle3.json): 64 heads × 128 and 64 KV heads at hidden
+# 7168 (they split across TP 16, where DeepSeek-V3's 56 = 7168/128 would not), MLP 18,432, RoPE θ 1e6 unscaled.
+KIMI_TYPES = frozenset({"kimi_k2", "kimi_k25"})
+KIMI_HEADS_PER_HIDDEN, KIMI_INTERMEDIATE_PER_HIDDEN, KIMI_ROPE_THETA = 64 / 7168, 18432 / 7168, 1e6
+
+
+def is_kimi(config: dict) -> bool:
+    """A Kimi-K2 / K2.5 target (its text config's model_type)."""
+    return config.get("model_type") in KIMI_TYPES
+
+
 def is_mla(config: dict) -> bool:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the config has the latent ranks."""
     return any(config.get(k) is not None for k in MLA_KEYS)
@@ -187,7 +199,13 @@ def is_mla(config: dict) -> bool:
 
 def draft_shape(args, c: dict, H: int) -> tuple[dict, str]:
     """(heads, kv_heads, head_dim, intermediate) of the draft layer, and where they came from."""
-    if is_mla(c):
+    if is_kimi(c):
+        head_dim = args.head_dim or MLA_HEAD_DIM
+        heads = args.heads or max(1, round(H * KIMI_HEADS_PER_HIDDEN))
+        kv = args.kv_heads or heads
+        inter = args.intermediate or max(128, int(round(H * KIMI_INTERMEDIATE_PER_HIDDEN / 128)) * 128)
+        why = "a Kimi-K2 target: SpecForge's Kimi-K2.5 EAGLE-3 shape"
+    elif is_mla(c):
         head_dim = args.head_dim or MLA_HEAD_DIM
         heads = args.heads or max(1, H // head_dim)
         kv = args.kv_heads or (MLA_KV_HEADS if heads % MLA_KV_HEADS == 0 else heads)
@@ -223,7 +241,9 @@ def draft_config(args, corpus: Corpus, target: Target) -> DraftConfig:
     if not 1 <= want <= target.vocab:
         raise UserError(f"--draft-vocab {want}: must be between 1 and the target's vocabulary ({target.vocab})")
     try:
-        theta, scaling = rope.from_config(c)
+        # the draft's own RoPE, as SGLang serves the draft by its config.json: the target's, except for Kimi,
+        # whose SpecForge draft is trained and served at θ 1e6 unscaled
+        theta, scaling = (KIMI_ROPE_THETA, None) if is_kimi(c) else rope.from_config(c)
     except rope.RopeError as exc:
         raise rope.RopeError(f"--target-model {target.source}: config {exc}") from None
     return DraftConfig(
@@ -531,7 +551,7 @@ def _validation(out: Path, step: int, model, corpus, ctx: Ctx, args, d: Dist) ->
 
 def _export(out: Path, step: int, ctx: Ctx) -> None:
     dest = export_checkpoint(checkpoint.step_dir(out, step), (out / "draft").resolve())
-    print(f"train: draft for SGLang written to {dest} (LlamaForCausalLMEagle3)", flush=True)
+    print(f"train: draft for SGLang written to {dest} (LlamaForCausalLMEagle3); {tp_line(dest)}", flush=True)
     print(f"train: serve it with: {launch_line(dest, str(Path(ctx.target.source).resolve()))}", flush=True)
 
 

@@ -357,10 +357,11 @@ def test_real_target_layouts_train_export_and_load(layout, toy_extraction, tmp_p
     assert check_export(tmp_path / "c" / "draft") == []
     exported = json.loads((tmp_path / "c" / "draft" / "config.json").read_text())
     if layout == "kimi-k2.5":
-        assert ("draft layer: 1 heads × 128, 1 KV heads, MLP 384 (an MLA target: SpecForge's DeepSeek-V3 EAGLE-3 "
-                "shape)") in out
-        assert exported["rope_theta"] == 50000.0 and exported["rope_scaling"]["rope_type"] == "yarn"
-        assert exported["rope_scaling"]["mscale_all_dim"] == 1.0 and exported["head_dim"] == 128
+        # SpecForge's Kimi-K2.5 draft (issue 51): 64 heads × 128 per 7168 of hidden (1 here), KV heads = heads,
+        # MLP 18,432 per 7168 (at least 128), served at RoPE θ 1e6 unscaled whatever the target's yarn
+        assert "draft layer: 1 heads × 128, 1 KV heads, MLP 128 (a Kimi-K2 target: SpecForge's Kimi-K2.5" in out
+        assert exported["rope_theta"] == 1e6 and exported["rope_scaling"] is None and exported["head_dim"] == 128
+        assert "loads at tensor-parallel sizes 1; WARNING: not at TP 2: 1 attention heads" in out  # the toy's 1 head
     else:
         assert "draft layer: 4 heads × 16, 2 KV heads, MLP 160 (the target's attention and MLP)" in out
         assert exported["rope_scaling"] == LLAMA_31["rope_scaling"] and exported["rope_theta"] == 500000.0

@@ -54,6 +54,34 @@ def test_mla_target_gets_specforges_deepseek_v3_draft_shape_and_flags_override_i
     assert why.endswith("(--heads, --kv-heads, --head-dim, --intermediate given)")
 
 
+def test_a_kimi_target_gets_specforges_kimi_shape_which_loads_at_tp_16_where_deepseeks_does_not():
+    """Issue 51: SpecForge's configs/kimi-k25-eagle3.json (64 heads × 128, 64 KV heads, MLP 18,432); SGLang's
+    LlamaAttention splits the heads across TP ranks, so DeepSeek-V3's 56 heads refuse TP 16 (Kimi on 2×8 H100)."""
+    from pipeline.draft.sglang import loads_at_tp, tp_summary
+
+    kimi = {**MLA, "model_type": "kimi_k2"}
+    shape, why = draft_shape(args(), kimi, 7168)
+    assert shape == {"num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128, "intermediate_size": 18432}
+    assert why == "a Kimi-K2 target: SpecForge's Kimi-K2.5 EAGLE-3 shape"
+    assert tp_summary(shape) == ([1, 2, 4, 8, 16], [])
+    deepseek = draft_shape(args(), {**MLA, "model_type": "deepseek_v3"}, 7168)[0]
+    ok, refused = tp_summary(deepseek)
+    assert ok == [1, 2, 4, 8] and refused == ["TP 16: 56 attention heads do not split across 16 ranks"]
+    # KV heads fewer than the ranks are replicated when the ranks are a multiple of them (SGLang's rule)
+    assert loads_at_tp({"num_attention_heads": 32, "num_key_value_heads": 8}, 16) is None
+    assert "KV heads" in loads_at_tp({"num_attention_heads": 48, "num_key_value_heads": 6}, 8)
+
+
+def test_an_integer_linear_rope_factor_is_written_as_a_float():
+    from pipeline.draft import rope
+    from pipeline.draft.sglang import config_problems
+
+    out = rope.normalise({"rope_type": "linear", "factor": 4})
+    assert out == {"rope_type": "linear", "factor": 4.0} and isinstance(out["factor"], float)
+    bad = {"rope_scaling": {"rope_type": "linear", "factor": 4}}
+    assert any("takes a float" in p for p in config_problems(bad))
+
+
 def test_llama_target_shape_and_its_head_dim():
     llama = {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336}
     assert draft_shape(args(), llama, 4096)[0] == {"num_attention_heads": 32, "num_key_value_heads": 8,
