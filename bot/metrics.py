@@ -88,9 +88,11 @@ class StoreCollector:
             beat.add_metric([], tick)
             yield beat
         prog = st.stages["train"].progress or {}
-        for key in ("loss", "kl"):
+        for key, doc in (("loss", "The trainer's last logged loss."), ("kl", "The trainer's last logged KL."),
+                         ("tau", "The simulated acceptance length τ = 1 + Σ Π top-1 by depth at the trainer's last "
+                                 "validation.")):
             if isinstance(prog.get(key), (int, float)):
-                m = GaugeMetricFamily(f"eagle3_train_{key}", f"The trainer's last logged {key}.")
+                m = GaugeMetricFamily(f"eagle3_train_{key}", doc)
                 m.add_metric([], float(prog[key]))
                 yield m
         train = st.stages["train"]

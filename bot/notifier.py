@@ -26,6 +26,7 @@ from handlers.render.alerts import (
     resolved_text,
 )
 from handlers.render.blocks import choice_note, final_blocks, status_blocks, text_blocks
+from handlers.render.views import tau_text
 from handlers.verbs import LABELS, STATUS_ACTIONS
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.handoff.machine import TRAINING, TRAINING_DONE, TRAINING_FAILED, handoff_state
@@ -102,6 +103,10 @@ class Notifier:
                                 took_s=self._took(store, event))
             if msg and msg[0] == "ending" and event["kind"] == "verdict" and self._handoff_ends(store, stage, run):
                 msg = None  # auto-start's own ending says it, with the draft and how long it took: one ending
+            if msg and msg[0] == "ending" and (stage == "train" or event["kind"] == "handoff"):
+                tau = tau_text((store.latest_observation("train") or {}).get("progress"))
+                msg = (msg[0], msg[1] + f"\n• {tau} (simulated; `eagle3 eval-draft` measures it)", msg[2]) if tau \
+                    else msg
             if msg and msg[0] == "handoff" and event["kind"] == "handoff" and run:
                 step = event["data"].get("step")
                 if store.get(self.k + KV.step_told(run)) == step:

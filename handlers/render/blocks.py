@@ -15,7 +15,7 @@ from slack_sdk.models.blocks import (
     SectionBlock,
 )
 
-from handlers.render.views import ago, plain_times, run_label, slack_time
+from handlers.render.views import ago, plain_times, run_label, slack_time, tau_text
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
 from pipeline.status import RunStatus, StageStatus
 from pipeline.train.outdir import accepted_length
@@ -93,6 +93,8 @@ def _details(name: str, st: StageStatus, now: float) -> list[str]:
     if name == "train" and isinstance(prog.get("acc_by_depth"), list) and prog["acc_by_depth"]:
         acc = "/".join("-" if a is None else f"{a:.2f}" for a in prog["acc_by_depth"])
         rates.append(f"top-1 by depth {acc} (validation at step {prog.get('validated_at_step')})")
+        if tau_text(prog):
+            rates.append(tau_text(prog))
     if st.rate_samples_per_s:
         rates.append(f"{st.rate_samples_per_s:.2f} {'steps' if name == 'train' else 'samples'}/s")
     if st.rate_tokens_per_s:
@@ -215,8 +217,8 @@ def final_blocks(status: RunStatus, *, run: str, closed: str | None, host: str =
         acc = [a for a in prog.get("acc_by_depth") or [] if a is not None]
         if acc:
             parts.append("top-1 by depth " + ", ".join(f"{a:.2f}" for a in acc[:8]))
-            parts.append(f"τ ≈ {1 + accepted_length(acc):.2f} at depth {len(acc)} (validation"
-                         + (f", step {prog['validated_at_step']})" if prog.get("validated_at_step") else ")"))
+            parts.append((tau_text(prog) or f"τ ≈ {1 + accepted_length(acc):.2f}")
+                         + f" (depth {len(acc)}, simulated from validation)")
         if st.gpus and st.ended_at and st.started_at:  # the GPUs the stage held, for as long as it ran
             used = len(st.gpus) * (st.ended_at - st.started_at) / 3600
             gpu_hours += used

@@ -82,6 +82,23 @@ def stage_line(name: str, st: StageStatus, current: str | None = None) -> str:
     return "  ".join(parts)
 
 
+def tau_text(prog: dict | None) -> str | None:
+    """"τ ≈ 3.40 at step 2,000 (3.10 at 1,000)", and "; not rising since step 1,500" when it stopped rising: the
+    trainer's simulated acceptance length at its last validations (None before the first)."""
+    prog = prog if isinstance(prog, dict) else {}
+    if not isinstance(prog.get("tau"), (int, float)):
+        return None
+    def at(step) -> str:
+        return f" at step {step:,}" if isinstance(step, int) else ""
+    text = f"τ ≈ {prog['tau']:.2f}{at(prog.get('tau_step'))}"
+    if isinstance(prog.get("tau_prev"), (int, float)):
+        prev = prog.get("tau_prev_step")
+        text += f" ({prog['tau_prev']:.2f}" + (f" at {prev:,})" if isinstance(prev, int) else ")")
+    if prog.get("tau_flat_since") is not None:
+        text += f"; not rising since step {prog['tau_flat_since']:,}"
+    return text
+
+
 def outbox_line(box: dict) -> str:
     """Undelivered Slack messages: those still retried, those Slack refused for good, and the last error."""
     error = box.get("last_error")
@@ -114,6 +131,9 @@ def status_text(status: RunStatus) -> str:
         lines.append(stage_line(name, st, status.run))
         if st.started and st.verdict:
             lines.append(verdict_line(name, st))
+        tau = tau_text(st.progress) if name == "train" else None
+        if tau:
+            lines.append(f"{'':<8} {tau} (simulated from the validation's top-1 by depth; eval-draft measures it)")
         if st.out:
             lines.append(f"{'':<8} out: {st.out}")
         lines.append(f"{'':<8} log: {st.log}")

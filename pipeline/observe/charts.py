@@ -6,8 +6,8 @@
   shaded over its no-progress span (from the last progress to the recovery), a dotted line where the stored
   verdict flagged it (the event the alert was sent from, not a recomputation), recoveries, restarts (by the
   policy or by hand) and the handoff;
-- training: loss and KL, the learning rate and the validation's top-1 accuracy at depth 1, and
-  tokens/s, all over time (the step is in the title);
+- training: loss and KL, the learning rate, the simulated acceptance length τ at each validation
+  (1 + Σₖ Πⱼ≤ₖ top-1ⱼ), and tokens/s, all over time (the step is in the title);
 - GPUs, under either, where a GPU was ever read: utilisation per GPU with the stage that held it, and GPU
   memory (what the handoff waits on before training).
 
@@ -46,7 +46,7 @@ def _utc(t: float) -> datetime:
 
 def alt_text(stage: str, run: str | None = None) -> str:
     """What the image shows, for screen readers and Slack's alt text; it names the time zone."""
-    what = ("loss, KL, learning rate, validation accuracy and tokens/s" if stage == "train" else
+    what = ("loss, KL, learning rate, simulated acceptance length τ and tokens/s" if stage == "train" else
             "progress, ETA band, rate and verdict changes")
     return f"eagle3 {stage}{f', run {run}' if run else ''}: {what} over time, with GPU use; times in UTC"
 
@@ -281,14 +281,13 @@ def _training(ax, ax2, obs: list[dict]) -> None:
     ax.set_ylabel("loss / KL (nats)")
     ax.set_ylim(bottom=0)
     others = []
-    acc = [(_utc(o["t"]), o["progress"]["acc_by_depth"][0]) for o in obs if isinstance(o.get("progress"), dict)
-           and o["progress"].get("acc_by_depth") and isinstance(o["progress"]["acc_by_depth"][0], (int, float))]
-    if acc:
+    tau = _series(obs, "tau")  # the simulated acceptance length at each validation: when to stop
+    if tau:
         tw = ax.twinx()
-        tw.plot([a[0] for a in acc], [a[1] for a in acc], color="#2ca02c", marker=".", lw=0.8,
-                label="validation top-1, depth 1 (right)")
-        tw.set_ylim(0, 1)
-        tw.set_ylabel("accuracy", color="#2ca02c")
+        tw.plot([a[0] for a in tau], [a[1] for a in tau], color="#2ca02c", marker=".", lw=0.8,
+                label="τ, simulated (right)")
+        tw.set_ylim(1, max(2.0, max(v for _, v in tau) * 1.1))
+        tw.set_ylabel("τ (accepted length)", color="#2ca02c")
         others.append(tw)
     _legend(ax, *others)
     tok = _series(obs, "tokens_per_s")

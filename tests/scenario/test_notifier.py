@@ -516,7 +516,7 @@ def test_the_status_post_gets_a_final_render_when_the_run_ends(env):
     assert "*extract*: done after 50m" in text and "300 / 300" in text
     assert "*train*: done after 10m" in text and "final loss 0.8123" in text and "top-1 by depth 0.61, 0.42" in text
     # τ from the validation's top-1 by depth (1 + 0.61 + 0.61 × 0.42), and the GPUs it held for its 10 minutes
-    assert "τ ≈ 1.87 at depth 2 (validation, step 60)" in text and "2 GPUs, 0.33 GPU-h" in text, text
+    assert "τ ≈ 1.87 (depth 2, simulated from validation)" in text and "2 GPUs, 0.33 GPU-h" in text, text
     assert "0.33 GPU-hours in all" in text
     assert all(b["type"] != "actions" for b in final["blocks"]), "no live button on an ended run"
     assert n.final_due(store) is None, "once"

@@ -84,17 +84,37 @@ def read_jsonl_progress(path: Path, fields: dict[str, str] | None = None, *, clo
     return unknown(f"{path}: no line with a {names['step']!r} step logged yet", clock=clock)
 
 
+TAU_FLAT = 0.02  # a validation's τ within this of the best before it is "not rising"
+TAU_FLAT_AFTER = 2  # validations in a row without a rise before it is said
+
+
 def _last_validation(path: Path) -> dict:
-    """The trainer's last validation: top-1 accuracy of each unrolled step (draft depth), and its step."""
-    for line in reversed(tail_lines(path, 3)):
+    """The trainer's validations: the last one's top-1 accuracy of each unrolled step (draft depth) and its step;
+    the simulated acceptance length τ = 1 + Σₖ Πⱼ≤ₖ accⱼ at it and at the validation before; and, when the last
+    TAU_FLAT_AFTER validations did not raise τ by TAU_FLAT over the best before them, the step of that best
+    (`tau_flat_since`): loss and accuracy alone do not say when to stop."""
+    from pipeline.train.outdir import accepted_length
+
+    runs = []
+    for line in tail_lines(path, 50):
         try:
             rec = json.loads(line)
         except ValueError:
             continue
         acc = rec.get("acc") if isinstance(rec, dict) else None
         if isinstance(acc, list) and all(a is None or isinstance(a, (int, float)) for a in acc):
-            return {"acc_by_depth": acc, "validated_at_step": rec.get("step")}
-    return {}
+            runs.append((rec.get("step"), acc, 1.0 + accepted_length(acc)))
+    if not runs:
+        return {}
+    step, acc, tau = runs[-1]
+    out = {"acc_by_depth": acc, "validated_at_step": step, "tau": round(tau, 3), "tau_step": step}
+    if len(runs) > 1:
+        out.update(tau_prev=round(runs[-2][2], 3), tau_prev_step=runs[-2][0])
+    if len(runs) > TAU_FLAT_AFTER:
+        best_step, _, best = max(runs[:-TAU_FLAT_AFTER], key=lambda r: r[2])
+        if all(r[2] < best + TAU_FLAT for r in runs[-TAU_FLAT_AFTER:]):
+            out["tau_flat_since"] = best_step
+    return out
 
 
 READ_PER_CALL = 8 << 20  # a log tail reads at most this much a call; a long log is caught up over calls

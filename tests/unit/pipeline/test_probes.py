@@ -392,3 +392,25 @@ def test_a_crash_is_summarised_by_its_cause_not_by_the_logs_last_rule(tmp_path, 
     path = tmp_path / "train.log"
     path.write_text(log)
     assert last_log_line(str(path)) == says
+
+
+def test_training_progress_carries_the_simulated_tau_its_previous_value_and_when_it_stopped_rising(tmp_path):
+    """Issue 51: τ = 1 + Σₖ Πⱼ≤ₖ top-1ⱼ at each validation, the one before, and the step of the best once the last two
+    validations did not raise it by 0.02 — what status, the chart, Prometheus and the ending show."""
+    import json
+
+    from handlers.render.views import tau_text
+    from pipeline.observe.probes.progress import read_train_progress
+
+    (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 4000, "total_steps": 8000, "loss": 1.0}) + "\n")
+    vals = [(1000, [0.5, 0.4]), (2000, [0.8, 0.5]), (3000, [0.8, 0.51]), (4000, [0.79, 0.5])]
+    (tmp_path / "validation.jsonl").write_text("".join(json.dumps({"step": s, "acc": a}) + "\n" for s, a in vals))
+    v = read_train_progress(tmp_path).value
+    assert v["tau"] == pytest.approx(1 + 0.79 + 0.79 * 0.5, abs=1e-3) and v["tau_step"] == 4000
+    assert v["tau_prev"] == pytest.approx(1 + 0.8 + 0.8 * 0.51, abs=1e-3) and v["tau_prev_step"] == 3000
+    assert v["tau_flat_since"] == 2000  # 2.40 at 2,000; 2.208 and 2.185 after it
+    assert tau_text(v) == "τ ≈ 2.19 at step 4,000 (2.21 at 3,000); not rising since step 2,000"
+    (tmp_path / "validation.jsonl").write_text("".join(json.dumps({"step": s, "acc": a}) + "\n" for s, a in vals[:2]))
+    v = read_train_progress(tmp_path).value
+    assert "tau_flat_since" not in v and tau_text(v) == "τ ≈ 2.20 at step 2,000 (1.70 at 1,000)"
+    assert tau_text({"loss": 1.0}) is None
