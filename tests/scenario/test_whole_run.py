@@ -23,7 +23,7 @@ from tests.support.fake_slack import FakeSlack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-HANG_AFTER, HANG_FOR_S = 30, 30  # the toy server wedges on its 31st /generate and recovers 30 s later
+HANG_AFTER, HANG_FOR_S = 24, 22  # the toy server wedges on its 25th /generate and recovers 22 s later
 
 
 def _free_port() -> int:
@@ -52,12 +52,12 @@ def _click_ack(url: str, fake: FakeSlack, alert: dict, ts: str, user: str) -> No
 
 def test_a_whole_demo_run_told_in_a_channel(tmp_path):
     fake = FakeSlack()
-    cfg = write_demo_workspace(tmp_path / "ws", steps=20, samples=80)
+    cfg = write_demo_workspace(tmp_path / "ws", steps=20, samples=60)
     text = re.sub(r'("toy-server", "--port", "\d+")',
                   rf'\1, "--hang-after", "{HANG_AFTER}", "--hang-for", "{HANG_FOR_S}"', cfg.read_text())
-    text = text.replace("stall_floor_s = 30", "stall_floor_s = 8")
+    text = text.replace("stall_floor_s = 30", "stall_floor_s = 5")
     cfg.write_text('[slack]\nchannel = "C1"\nallowed_user_ids = ["UOK"]\noncall_user_ids = ["UONCALL"]\n'
-                   'min_edit_s = 1\nescalate_after_min = 0.1\n' + text)
+                   'min_edit_s = 1\nescalate_after_min = 0.05\n' + text)
     port = _free_port()
     env = {**os.environ, "SLACK_BOT_TOKEN": "xoxb-test", "SLACK_SIGNING_SECRET": SECRET,
            "SLACK_API_URL": fake.url + "/api/"}
