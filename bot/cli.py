@@ -444,13 +444,16 @@ def cmd_prepare(args) -> int:
                arg("--max-retries", type=int, default=3, help="retries of a failed request (default 3)"),
                arg("--server-wait", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds for a server that is still starting"),
+               arg("--eot-id", type=int, action="append", metavar="ID",
+                   help="an end-of-turn token id the answers stop at (repeatable; default: those eagle3 prepare read "
+                        "off the chat template, in DATA's .meta.json)"),
                arg("--force", action="store_true", help="continue into OUT.parts/ of another dataset")))
 def cmd_regenerate(args) -> int:
     from pipeline.regenerate import Options, regenerate
     return regenerate(Options(server=args.server, data=Path(args.data), out=Path(args.out),
                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               concurrency=args.concurrency, max_retries=args.max_retries,
-                              server_wait_s=args.server_wait, force=args.force))
+                              server_wait_s=args.server_wait, force=args.force, eot_ids=args.eot_id))
 
 
 @command("verify", "open random extracted files and check keys, shapes, token ids and finiteness",

@@ -156,6 +156,21 @@ class Renderer:
             raise LineError("no assistant token left" + (f" within --max-length {max_length}" if cut else ""))
         return Prepared(ids, mask, cut)
 
+    def end_of_turn_ids(self) -> list[int]:
+        """The tokens that end an assistant turn, read off the template (never off the data, where a turn cut by
+        --max-length ends on ordinary content): the last trained token of a probe conversation's answer, and the
+        tokenizer's end of sequence when it is another token. `regenerate` stops the target's answers at them."""
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+        text, spans = self.spans(probe)
+        ids, mask = self.tokens(text, spans)
+        trained = [t for t, m in zip(ids, mask, strict=True) if m]
+        special = set(getattr(self.tok, "all_special_ids", None) or [])
+        out = [trained[-1]] if trained and trained[-1] in special else []
+        eos = getattr(self.tok, "eos_token_id", None)
+        if isinstance(eos, int) and eos not in out:
+            out.append(eos)
+        return out
+
     def show(self, p: Prepared) -> str:
         """The tokens, those trained on in ⟦…⟧."""
         out, inside = [], False
@@ -285,7 +300,7 @@ def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_
             "chat_template_sha256": hashlib.sha256(renderer.tok.chat_template.encode()).hexdigest(),
             "format": fmt, "max_length": max_length, "system": system, "source": str(data.resolve()),
             "conversations": s.conversations, "tokens": s.tokens, "assistant_tokens": s.assistant_tokens,
-            "cut": s.cut, "skipped": sum(s.skipped.values())}
+            "cut": s.cut, "skipped": sum(s.skipped.values()), "end_of_turn_ids": renderer.end_of_turn_ids()}
     meta_path = meta_path_of(out)
     meta_tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}")
     meta_tmp.write_text(json.dumps(meta, indent=1) + "\n")

@@ -4,10 +4,18 @@ so the draft learns the target's distribution and not the dataset's.
 Input: `eagle3 prepare`'s lines ({"id", "input_ids", "loss_mask"}). Each run of loss_mask 1 is an assistant
 turn, ending with its end-of-turn token; the tokens before it are the conversation so far and the template's
 generation prompt. For each turn in order, the target gets (what it has generated so far for the earlier
-turns) + (the original tokens up to the turn) through SGLang's `/generate` on token ids, with the turn's
-end-of-turn token as a stop token, and its answer replaces the turn. The answer's tokens are trained on; an
-answer that reaches `--max-new-tokens` is closed with the end-of-turn token (not trained on, not the
-target's) so the conversation keeps its shape, and counted.
+turns) + (the original tokens up to the turn) through SGLang's `/generate` on token ids, with the template's
+end-of-turn tokens as stop tokens, and its answer replaces the turn. The stop tokens are read off the chat
+template by `eagle3 prepare` (its OUT.meta.json), never taken from the turn's own last token: a turn that
+prepare's --max-length cut ends on ordinary content, and is answered again in full. They are carried into
+this OUT.meta.json. The answer's tokens are trained on; an answer that reaches `--max-new-tokens` is closed
+with the end-of-turn token (not trained on, not the target's) so the conversation keeps its shape, and
+counted.
+
+Not yet: multi-turn conversations go back to the target as tokens (the earlier turns as it generated them);
+templates that render earlier turns differently once later ones follow (dropping earlier reasoning, as Qwen3's
+and Kimi's thinking templates do) would want the history re-rendered through the template, as SpecForge's
+regeneration through the chat endpoint does.
 
 Resumable and exact like the extraction: `OUT.parts/` holds `manifest.sqlite` (the same table as the
 extraction's: a row per sample, done or failed) and one small JSON file per finished sample
@@ -25,6 +33,7 @@ import sqlite3
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +47,7 @@ from pipeline.extract.options import ClientOptions
 from pipeline.extract.preflight import fetch_info
 from pipeline.layout import lines_dir, parts_dir
 from pipeline.manifest import Manifest, read_done, summarize
+from pipeline.prepare import meta_path_of, read_meta
 
 PROGRESS_EVERY_S = 5.0
 
@@ -51,6 +61,7 @@ class Options(ClientOptions):
     concurrency: int = 16
     timeout_s: float = 900.0
     server_wait_s: float = 0.0
+    eot_ids: list[int] | None = None  # the end-of-turn tokens (default: those `prepare` read off the template)
 
 
 class TurnError(Exception):
@@ -76,13 +87,16 @@ class Regenerator:
         self.client = httpx.Client(timeout=o.timeout_s, limits=httpx.Limits(max_connections=o.concurrency + 2))
         self.stop = threading.Event()
         self.cut_turns = 0
+        self.eot_ids: list[int] = list(o.eot_ids or [])
         self.lock = threading.Lock()
 
     # --- one sample -----------------------------------------------------------------------------------
-    def generate(self, prompt: list[int], eot: int) -> tuple[list[int], bool]:
-        """The target's answer to `prompt`, ending with `eot` ((tokens, whether it stopped by itself))."""
+    def generate(self, prompt: list[int]) -> tuple[list[int], bool]:
+        """The target's answer to `prompt`, ending with an end-of-turn token ((tokens, whether it stopped by
+        itself))."""
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": self.o.max_new_tokens,
-                                                         "temperature": self.o.temperature, "stop_token_ids": [eot]}}
+                                                         "temperature": self.o.temperature,
+                                                         "stop_token_ids": list(self.eot_ids)}}
         last = None
         for attempt in range(self.o.max_retries + 1):
             if self.stop.is_set():
@@ -96,15 +110,16 @@ class Regenerator:
                 out = r.json().get("output_ids")
                 if not isinstance(out, list) or not all(isinstance(t, int) for t in out):
                     raise TurnError("/generate answered without output_ids")
-                return self._closed(out, eot)
+                return self._closed(out)
             except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as exc:
                 last = exc
                 time.sleep(min(8.0, 0.5 * 2 ** attempt))
         raise TurnError(f"/generate failed {self.o.max_retries + 1} times ({type(last).__name__}: {last})")
 
-    def _closed(self, out: list[int], eot: int) -> tuple[list[int], bool]:
-        if eot in out:  # SGLang includes the matched stop token (finished_len = its position + 1)
-            return out[: out.index(eot) + 1], True
+    def _closed(self, out: list[int]) -> tuple[list[int], bool]:
+        at = next((i for i, t in enumerate(out) if t in self.eot_ids), None)
+        if at is not None:  # SGLang includes the matched stop token (finished_len = its position + 1)
+            return out[: at + 1], True
         return out, False
 
     def regenerate(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
@@ -114,14 +129,15 @@ class Regenerator:
             raise TurnError("no loss_mask 1 anywhere: no assistant turn to regenerate (prepare it with eagle3 prepare)")
         new_ids, new_mask, cursor = [], [], 0
         for start, end in runs:
-            eot = ids[end - 1]  # the turn's end-of-turn token, as the template wrote it
+            # the turn's own last token is no stop token: a turn prepare's --max-length cut ends on ordinary
+            # content; the target answers it again in full, stopping only at the template's end of turn
             new_ids += ids[cursor:start]
             new_mask += [0] * (start - cursor)
-            answer, stopped = self.generate(new_ids, eot)
+            answer, stopped = self.generate(new_ids)
             new_ids += answer
             new_mask += [1] * len(answer)
             if not stopped:  # cut at --max-new-tokens: closed so the conversation keeps its shape
-                new_ids.append(eot)
+                new_ids.append(self.eot_ids[0])
                 new_mask.append(0)
                 with self.lock:
                     self.cut_turns += 1
@@ -156,6 +172,7 @@ class Regenerator:
                            "tokens_sq_total": sum(n * n for n in data.tokens), "data_path": str(o.data.resolve()),
                            **({"run": os.environ[RUN_ENV]} if os.environ.get(RUN_ENV) else {}),
                            "stage": "regenerate", "max_new_tokens": o.max_new_tokens, "temperature": o.temperature})
+        self._end_of_turn(data)
         try:  # after the manifest is this run's: an earlier run's figures are not shown while the server is awaited
             fetch_info(o.server, wait_s=o.server_wait_s, say=self.say)
         except BaseException:
@@ -179,6 +196,31 @@ class Regenerator:
             manifest.close()
             self.client.close()
         return self._finish(data)
+
+    def _end_of_turn(self, data) -> None:
+        """The stop tokens: --eot-id, else the end-of-turn ids `eagle3 prepare` read off the template (its
+        OUT.meta.json), else inferred from the data — the last token of the turns that more tokens follow (a
+        final turn may be one --max-length cut) — and said, since only the template knows for sure."""
+        if self.eot_ids:
+            self.say(f"stop tokens (end of turn): {self.eot_ids} (--eot-id)")
+            return
+        meta = read_meta(self.o.data) or {}
+        if meta.get("end_of_turn_ids"):
+            self.eot_ids = [int(t) for t in meta["end_of_turn_ids"]]
+            self.say(f"stop tokens (end of turn): {self.eot_ids}, read off the chat template by eagle3 prepare")
+            return
+        seen: Counter = Counter()
+        with open(self.o.data, "rb") as fh:
+            for idx in range(min(len(data), 2000)):
+                ids, _, mask = data.read_sample(fh, idx)
+                mask = mask or []
+                seen.update(ids[end - 1] for _, end in assistant_runs(mask) if end < len(ids))
+        if not seen:
+            raise UserError(f"--data {self.o.data}: no OUT.meta.json from eagle3 prepare and no turn followed by "
+                            "more tokens to read the end-of-turn token from: give it with --eot-id ID")
+        self.eot_ids = [seen.most_common(1)[0][0]]
+        self.say(f"stop tokens (end of turn): {self.eot_ids}, inferred from the data (no OUT.meta.json from eagle3 "
+                 "prepare); give --eot-id to be sure")
 
     def _work(self, data, todo: list[int], manifest: Manifest) -> None:
         fh = open(self.o.data, "rb")  # noqa: SIM115 - read by this thread only
@@ -257,6 +299,15 @@ class Regenerator:
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(tmp, self.o.out)
+        # the input's sidecar carried forward (the extraction records it), with what regeneration used
+        meta = {**(read_meta(self.o.data) or {}), "end_of_turn_ids": self.eot_ids, "conversations": s["done"],
+                "tokens": tokens, "regenerated": {"source": str(self.o.data.resolve()), "server": self.o.server,
+                                                  "temperature": self.o.temperature,
+                                                  "max_new_tokens": self.o.max_new_tokens}}
+        meta_path = meta_path_of(self.o.out)
+        meta_tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}")
+        meta_tmp.write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(meta_tmp, meta_path)
         cut = f"; {self.cut_turns:,} turn(s) this run reached --max-new-tokens and were closed" if self.cut_turns else ""
         self.say(f"wrote {self.o.out}: {s['done']:,} conversations, {tokens:,} tokens; {s['failed']:,} failed"
                  + (f" (reasons in {parts_dir(self.o.out) / 'manifest.sqlite'})" if s["failed"] else "") + cut)

@@ -184,6 +184,10 @@ def make_handler(state: ToyState):
                 return self._send(400, {"error": {"message": "body is not JSON"}})
             o = state.opts
             with state.lock:
+                if getattr(o, "log_requests", None):  # what a client sent, for tests that check it
+                    with open(o.log_requests, "a") as log:
+                        log.write(json.dumps({"sampling_params": req.get("sampling_params"),
+                                              "prompt_tokens": len(req.get("input_ids") or [])}) + "\n")
                 state.requests_total += 1
                 state.generate_count += 1
                 n = state.generate_count

@@ -147,3 +147,44 @@ def test_completion_weighs_failed_conversations_by_the_handoffs_share(tmp_path):
                                                        "regenerate again to retry them")
     ok, why = complete(tmp_path / "out.jsonl", max_failed_share=0.1)
     assert ok and "(1 failed, within 10 %)" in why
+
+
+def test_a_cut_turn_is_answered_again_in_full_and_only_the_templates_end_of_turn_stops_an_answer(tmp_path):
+    """Issue 51: `prepare --max-length` cuts some conversations inside their last assistant turn, which then ends on
+    ordinary content. The stop tokens come from the chat template (prepare's OUT.meta.json), never from a turn's
+    last token: every request the toy server logs asks to stop at special tokens only, and every regenerated turn
+    ends with the end of turn — the target's own (trained) or, at --max-new-tokens, closed (not trained)."""
+    from pipeline.prepare import load_tokenizer, prepare, read_meta
+    from pipeline.regenerate import assistant_runs
+    from pipeline.toy.demo_workspace import write_chat
+    from pipeline.toy.model import export_target
+    from tests.toy import ToyServer
+
+    export_target(tmp_path / "target")
+    write_chat(tmp_path / "chat.jsonl", 16)
+    data = tmp_path / "data.jsonl"
+    summary = prepare(target_model=str(tmp_path / "target"), data=tmp_path / "chat.jsonl", out=data, max_length=90,
+                      say=lambda m: None)
+    special = set(load_tokenizer(str(tmp_path / "target"), trust_remote_code=False).all_special_ids)
+    eot = read_meta(data)["end_of_turn_ids"]
+    assert eot and set(eot) <= special, eot
+    src = [json.loads(x) for x in data.read_text().splitlines()]
+    cut = [r for r in src if r["loss_mask"][-1] == 1 and r["input_ids"][-1] not in eot]
+    assert summary.cut and cut, "some last turns were cut inside their content"
+    log = tmp_path / "requests.jsonl"
+    server = ToyServer("--log-requests", str(log))
+    try:
+        res = eagle3("regenerate", "--server", server.url, "--data", str(data), "--out", str(tmp_path / "out.jsonl"),
+                     "--temperature", "0.8", "--max-new-tokens", "12", "--concurrency", "4", timeout=120)
+    finally:
+        server.stop()
+    assert res.returncode == 0, res.stderr
+    assert f"stop tokens (end of turn): {eot}, read off the chat template by eagle3 prepare" in res.stderr
+    sent = [json.loads(x)["sampling_params"]["stop_token_ids"] for x in log.read_text().splitlines()]
+    assert sent and all(s == eot for s in sent), {tuple(s) for s in sent}
+    for row in (json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        for _, end in assistant_runs(mask):
+            # the target's own end of turn (trained), or one closing an answer cut at --max-new-tokens (not)
+            assert ids[end - 1] in eot or (end < len(ids) and ids[end] in eot and mask[end] == 0), row["id"]
+    assert read_meta(tmp_path / "out.jsonl")["end_of_turn_ids"] == eot

@@ -13,6 +13,7 @@ from pipeline.manifest import summarize
 from pipeline.observe.latency import LatencyProfile
 from pipeline.observe.probes import Reading, known, unknown
 from pipeline.stages.logfile import tail_lines
+from pipeline.train.outdir import accepted_length
 
 
 def read_manifest(out_dir: Path | None, *, clock=time.time, stage: str = "extract", run: str | None = None) -> Reading:
@@ -93,8 +94,6 @@ def _last_validation(path: Path) -> dict:
     the simulated acceptance length τ = 1 + Σₖ Πⱼ≤ₖ accⱼ at it and at the validation before; and, when the last
     TAU_FLAT_AFTER validations did not raise τ by TAU_FLAT over the best before them, the step of that best
     (`tau_flat_since`): loss and accuracy alone do not say when to stop."""
-    from pipeline.train.outdir import accepted_length
-
     runs = []
     for line in tail_lines(path, 50):
         try:

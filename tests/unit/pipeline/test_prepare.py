@@ -147,6 +147,10 @@ def test_a_file_with_bad_lines_prepares_the_rest_names_each_and_writes_the_sidec
     assert "⟦yo!<|eot_id|>⟧" in err  # --show 1: the tokens trained on, marked
     meta = read_meta(out)
     assert meta["conversations"] == 2 and meta["skipped"] == 5 and len(meta["chat_template_sha256"]) == 64
+    # the end of turn, read off the template (a line cut by --max-length ends on content instead): <|eot_id|>
+    tok = load_tokenizer(str(tdir), trust_remote_code=False)
+    assert meta["end_of_turn_ids"] == [tok.convert_tokens_to_ids("<|eot_id|>")]
+    assert any(r["input_ids"][-1] not in meta["end_of_turn_ids"] for r in rows)  # a cut one
     assert (tmp_path / "train.meta.json").exists() and not list(tmp_path.glob(".train*"))
 
 
