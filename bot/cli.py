@@ -384,7 +384,8 @@ def cmd_export_trace(args) -> int:
                arg("--max-retries", type=int, default=3, help="retries of a sample with a bad answer (default 3)"),
                arg("--mode", choices=("inline", "dump"), default="inline"),
                arg("--layers", type=int, help="layers per returned row (default: from /server_info)"),
-               arg("--target-topk", type=int, help="top-K target logprobs when the final layer is absent (default 20)"),
+               arg("--target-topk", type=int, help="top-K target logprobs when the final layer is absent (default 256: the mass it captures is "
+                        "recorded per sample and shown)"),
                arg("--dtype", default="bf16", help="bf16 (default), fp16 or fp32"),
                arg("--dump-field", default="hidden_states_path", help="dump mode: meta_info field naming the file"),
                arg("--server-wait", type=float, default=600.0, help="seconds to wait for an unreachable server"),

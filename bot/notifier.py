@@ -30,6 +30,7 @@ from handlers.render.views import tau_text
 from handlers.verbs import LABELS, STATUS_ACTIONS
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.handoff.machine import TRAINING, TRAINING_DONE, TRAINING_FAILED, handoff_state
+from pipeline.manifest import mass_line
 from pipeline.observe.charts import alt_text, render_run
 from pipeline.status import RunStatus
 from pipeline.store import KV, Store
@@ -103,6 +104,9 @@ class Notifier:
                                 took_s=self._took(store, event))
             if msg and msg[0] == "ending" and event["kind"] == "verdict" and self._handoff_ends(store, stage, run):
                 msg = None  # auto-start's own ending says it, with the draft and how long it took: one ending
+            if msg and msg[0] == "ending" and stage == "extract" and event["kind"] == "verdict":
+                mass = mass_line((store.latest_observation("extract") or {}).get("progress") or {})
+                msg = (msg[0], msg[1] + f"\n• {mass}", msg[2]) if mass else msg
             if msg and msg[0] == "ending" and (stage == "train" or event["kind"] == "handoff"):
                 tau = tau_text((store.latest_observation("train") or {}).get("progress"))
                 msg = (msg[0], msg[1] + f"\n• {tau} (simulated; `eagle3 eval-draft` measures it)", msg[2]) if tau \

@@ -17,6 +17,7 @@ from slack_sdk.models.blocks import (
 
 from handlers.render.views import ago, plain_times, run_label, slack_time, tau_text
 from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
+from pipeline.manifest import mass_line
 from pipeline.status import RunStatus, StageStatus
 from pipeline.train.outdir import accepted_length
 from pipeline.verdict import fmt_bytes
@@ -106,6 +107,9 @@ def _details(name: str, st: StageStatus, now: float) -> list[str]:
         rates.append(f"last progress {slack_time(st.last_progress_at, '{ago}')}")  # Slack keeps it current
     if rates:
         lines.append(" · ".join(rates))
+    mass = mass_line(prog) if name == "extract" else None
+    if mass:
+        lines.append(mass)
     gpus = st.gpus or []
     if gpus:
         lines.append(gpu_summary(gpus) + " — idle GPUs alone are not a stall")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline.manifest import mass_line
 from pipeline.status import RunStatus, StageStatus
 from pipeline.verdict import Verdict, fmt_bytes
 
@@ -134,6 +135,9 @@ def status_text(status: RunStatus) -> str:
         tau = tau_text(st.progress) if name == "train" else None
         if tau:
             lines.append(f"{'':<8} {tau} (simulated from the validation's top-1 by depth; eval-draft measures it)")
+        mass = mass_line(st.progress) if name == "extract" and st.run == status.run else None
+        if mass:
+            lines.append(f"{'':<8} {mass}")
         if st.out:
             lines.append(f"{'':<8} out: {st.out}")
         lines.append(f"{'':<8} log: {st.log}")

@@ -32,7 +32,7 @@ from pipeline.extract.response import BadResponse
 from pipeline.extract.storing import LAYER_CONVENTION, DiskError, Stored, StoreSpec, store_answer
 from pipeline.extract.writer import DTYPES, remove_temp_files, sample_path
 from pipeline.layout import HIDDEN_DIR
-from pipeline.manifest import MANIFEST_NAME, Manifest
+from pipeline.manifest import MANIFEST_NAME, Manifest, mass_line, summarize
 from pipeline.prepare import read_meta as read_prepare_meta
 from pipeline.verdict import fmt_bytes
 
@@ -256,6 +256,12 @@ class Extractor:
         manifest.set_meta({"inflight_bytes": 0})
         manifest.close()
         self.work.progress.final()
+        try:
+            mass = mass_line(summarize(self.o.out))
+        except (OSError, sqlite3.Error):
+            mass = None
+        if mass:
+            self.say(mass)
         if self.fatal:
             raise UserError(str(self.fatal))
         if self.stopping.is_set():
@@ -506,13 +512,14 @@ class Extractor:
 
         asyncio.get_running_loop().create_task(later())
 
-    def _finish(self, job: _Job, status: str, *, nbytes: int | None = None, error: str | None = None) -> None:
+    def _finish(self, job: _Job, status: str, *, nbytes: int | None = None, error: str | None = None,
+                topk_mass: float | None = None) -> None:
         tokens = len(job.ids) if job.ids else None
         try:
             self.work.manifest.record(idx=job.idx, sample_id=job.sid, status=status, tokens=tokens, nbytes=nbytes,
                                  attempts=job.attempts, error=None if error is None else error[:500],
                                  now=time.time(), latency_s=job.latency_s if status == "done" else None,
-                                 line_hash=self.work.data.keys[job.idx])
+                                 line_hash=self.work.data.keys[job.idx], topk_mass=topk_mass)
         except sqlite3.Error as exc:
             if status == "done":  # a file the manifest cannot count must not stay to be mistaken for one
                 sample_path(self.o.out, job.idx).unlink(missing_ok=True)
@@ -539,7 +546,7 @@ class Extractor:
             self.json_bpf = max(self.json_bpf if self.width else 0.0,
                                 stored.answer_bytes / max(1, len(job.ids) * stored.width))
         self.width = self.width or stored.width
-        self._finish(job, "done", nbytes=stored.nbytes)
+        self._finish(job, "done", nbytes=stored.nbytes, topk_mass=stored.topk_mass)
 
     def _start_worker(self) -> ParseWorker:
         slots = -(-self.o.concurrency // max(1, self.n_workers))  # the requests in flight, shared out

@@ -116,7 +116,8 @@ def _one(spec, req: dict, local, setup: dict, send) -> None:
             del got
             s = store_answer(spec, box, idx=req["idx"], ids=req["body"]["input_ids"], sid=req["sid"],
                              loss_mask=req["loss_mask"], width=req["width"])
-            reply = {"ok": {"nbytes": s.nbytes, "width": s.width, "answer_bytes": s.answer_bytes},
+            reply = {"ok": {"nbytes": s.nbytes, "width": s.width, "answer_bytes": s.answer_bytes,
+                              "topk_mass": s.topk_mass},
                      "latency_s": latency_s}
     except BadResponse as exc:
         reply = {"bad": exc.reason, "retry": exc.retry}

@@ -24,6 +24,9 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
 
 
+DEFAULT_TOPK = 256  # target logprobs per position when the final layer is absent: the distribution, not its head
+
+
 def plan(info: dict, *, layers: int | None, topk: int | None, longest: int) -> Plan:
     """Decide L, final layer and top-K from the server's flags; refuse with one line per problem."""
     problems, warnings = [], []
@@ -41,7 +44,7 @@ def plan(info: dict, *, layers: int | None, topk: int | None, longest: int) -> P
     if problems:
         raise UserError("server refused by preflight:\n  " + "\n  ".join(problems))
     final = layers >= 4
-    k = 0 if final else (topk or 20)
+    k = 0 if final else (topk or DEFAULT_TOPK)
     if not info.get("disable_radix_cache"):
         warnings.append("the radix cache is on: a prefix hit returns only uncached rows; use --disable-radix-cache")
     chunk = info.get("chunked_prefill_size")

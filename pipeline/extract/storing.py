@@ -54,6 +54,7 @@ class Stored:
     nbytes: int
     width: int
     answer_bytes: int
+    topk_mass: float | None = None  # the target probability the stored top-K holds, averaged over positions
 
 
 def store_answer(spec: StoreSpec, box: list, *, idx: int, ids: list[int], sid: str | None,
@@ -91,7 +92,16 @@ def store_answer(spec: StoreSpec, box: list, *, idx: int, ids: list[int], sid: s
         raise
     finally:
         _drop_dump(spec, meta)
-    return Stored(nbytes=nbytes, width=seen, answer_bytes=size)
+    return Stored(nbytes=nbytes, width=seen, answer_bytes=size, topk_mass=captured_mass(topk[1]) if topk else None)
+
+
+def captured_mass(logprobs: list) -> float:
+    """The mean over positions of Σ exp(logprob) of the stored top-K: how much of the target's distribution the
+    training target holds (1.0: all of it)."""
+    import numpy as np
+
+    lp = np.asarray(logprobs, dtype=np.float64)
+    return float(np.exp(lp).sum(axis=-1).mean()) if lp.size else 1.0
 
 
 def _rows(spec: StoreSpec, meta: dict) -> list:

@@ -137,6 +137,25 @@ def token_counts(samples: list[SampleInfo], vocab: int) -> torch.Tensor:
     return counts
 
 
+def target_mass(samples: list[SampleInfo], in_draft: torch.Tensor, *, limit: int = 64) -> tuple[float, float] | None:
+    """How much of the target's probability the training targets hold, over up to `limit` samples spread through
+    the data: (in the stored top-K, in the top-K ∩ the draft vocabulary that is renormalised to 1), each the mean
+    over positions; None where the data has no top-K (the final layer gives the whole distribution)."""
+    step = max(1, len(samples) // limit)
+    topk_sum = draft_sum = 0.0
+    rows = 0
+    for s in samples[::step][:limit]:
+        with safe_open(str(s.path), framework="pt") as f:
+            if "target_topk_logprobs" not in f.keys():  # noqa: SIM118 - safe_open has no __contains__
+                return None
+            p = f.get_tensor("target_topk_logprobs").double().exp()
+            ids = f.get_tensor("target_topk_ids")
+        topk_sum += float(p.sum())
+        draft_sum += float((p * in_draft[ids.clamp(0, in_draft.numel() - 1)]).sum())
+        rows += p.shape[0]
+    return (topk_sum / rows, draft_sum / rows) if rows else None
+
+
 def batches(samples: list[SampleInfo], *, budget: int, seed: int, epoch: int) -> list[list[SampleInfo]]:
     """Length-aware batches under a token budget (padded size), in an order fixed by (seed, epoch)."""
     rng = random.Random(seed * 1_000_003 + epoch)

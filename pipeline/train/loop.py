@@ -21,6 +21,7 @@ import torch.distributed as dist
 from pipeline.config import RUN_ENV
 from pipeline.draft import capture, rope
 from pipeline.errors import UserError
+from pipeline.manifest import MASS_WARN
 from pipeline.train import checkpoint
 from pipeline.train.data import (
     BatchStream,
@@ -30,6 +31,7 @@ from pipeline.train.data import (
     load_batch,
     load_corpus,
     loader,
+    target_mass,
     to_device,
     token_counts,
 )
@@ -326,6 +328,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"train: {len(corpus.train)} train / {len(corpus.val)} validation samples, hidden {corpus.hidden}; "
                   f"target from {source}; draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size} "
                   f"({covered} ids)" + (f"; {len(corpus.bad)} bad file(s) skipped" if corpus.bad else ""), flush=True)
+            mass = target_mass(corpus.train, model.t2d.cpu()) if corpus.topk else None
+            if mass:
+                print(f"train: the targets hold {100 * mass[0]:.1f} % of the target's probability in the stored "
+                      f"top-{corpus.topk} and {100 * mass[1]:.1f} % within the draft vocabulary (renormalised to "
+                      "100 %)" + (f"; WARNING: below {100 * MASS_WARN:.0f} %, the target is sharper than the model's "
+                                 "own distribution: extract with a larger --target-topk" if mass[0] < MASS_WARN else ""),
+                      flush=True)
             if corpus.cut:
                 print(f"train: {corpus.cut} sample(s) longer than --max-length {args.max_length} tokens cut to it",
                       flush=True)

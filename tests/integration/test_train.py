@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -139,18 +140,37 @@ def test_topk_targets_from_stock_server(tmp_path, capsys):
     from tests.conftest import eagle3
     from tests.toy import ToyServer, write_dataset
 
+    """Issue 51: with the final layer absent (stock SGLang), the default K = 256 captures the (toy's 256-token)
+    distribution whole; a small K is warned about where it is recorded (per sample in the manifest), said at the
+    extraction's end and by the trainer, which also says how much its draft vocabulary keeps."""
+    from pipeline.manifest import summarize
+
     server = ToyServer("--stock")
     try:
         write_dataset(tmp_path / "d.jsonl", 24, lo=16, hi=64)
-        assert eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out",
-                      str(tmp_path / "out"), "--target-topk", "8").returncode == 0
+        whole = eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out",
+                       str(tmp_path / "out"))
+        small = eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out",
+                       str(tmp_path / "out8"), "--target-topk", "8")
     finally:
         server.stop()
+    assert whole.returncode == 0 and small.returncode == 0, whole.stderr + small.stderr
+    s, s8 = summarize(tmp_path / "out"), summarize(tmp_path / "out8")
+    assert s["topk_mass"] == pytest.approx(1.0, abs=1e-3) and s["topk_mass_samples"] == 24 and s["topk_mass_low"] == 0
+    assert s8["topk_mass"] < 0.95 and s8["topk_mass_low"] == 24, s8
+    said = whole.stdout + whole.stderr
+    assert "the stored top-K logprobs hold 100.0 % of the target's probability (mean of 24 samples)" in said, said
+    assert "WARNING: below 95 % on average" in small.stdout + small.stderr
     _toy_target(tmp_path)  # what `eagle3 toy-server --export-target` writes, in-process
-    rc = train_main(["--data", str(tmp_path / "out"), "--target-model", str(tmp_path / "target"), "--out",
+    rc = train_main(["--data", str(tmp_path / "out8"), "--target-model", str(tmp_path / "target"), "--out",
                      str(tmp_path / "c"), "--steps", "3", "--ttt", "2", "--draft-vocab", "200"])
     assert rc == 0
-    assert "target from the stored top-8 logprobs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "target from the stored top-8 logprobs" in out
+    m = re.search(r"the targets hold ([\d.]+) % of the target's probability in the stored top-8 and ([\d.]+) % "
+                  r"within the draft vocabulary", out)
+    assert m and float(m.group(2)) <= float(m.group(1)) == pytest.approx(100 * s8["topk_mass"], abs=2.0), out
+    assert "WARNING: below 95 %" in out
     assert len(progress(tmp_path / "c")) == 3
 
 

@@ -60,7 +60,7 @@ def test_preflight_refusals_and_warnings():
     assert "--enable-return-hidden-states" in str(err.value) and "only the final layer" in str(err.value)
     p = plan({"enable_return_hidden_states": True, "enable_return_aux_hidden_states": True,
               "chunked_prefill_size": 100}, layers=None, topk=None, longest=500)
-    assert (p.layers, p.final_present, p.topk) == (3, False, 20)
+    assert (p.layers, p.final_present, p.topk) == (3, False, 256)
     assert any("radix cache" in w for w in p.warnings) and any("below the longest" in w for w in p.warnings)
     p = plan({"enable_return_hidden_states": True, "hidden_states_layers": 4, "disable_radix_cache": True},
              layers=None, topk=None, longest=10)
