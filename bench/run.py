@@ -27,8 +27,10 @@ def main() -> int:
     from bench import (  # their own blocks: each refreshes alone with `python -m`
         draft_bench,
         tensorboard_read,
+        topk_cost,
         train_kernels,
     )
+    topk_cost.main(full=full)
     tensorboard_read.main(full=full)
     train_kernels.main(full=full)
     draft_bench.main(full=full)

@@ -36,3 +36,12 @@ def test_the_status_paths_store_is_built_and_read(tmp_path):
     finally:
         ctl.close()
         store.close()
+
+
+def test_the_topk_cost_benchs_answers_parse_through_the_clients_path(tmp_path, monkeypatch):
+    """bench/topk_cost.py at a small width: its answers go through store_answer as the real ones would."""
+    from bench import topk_cost
+
+    monkeypatch.setattr(topk_cost, "H", 64)
+    r = topk_cost.measure(rounds=1)
+    assert r[256]["answer_mb"] > r[20]["answer_mb"] and r[20]["cpu_s"] > 0
