@@ -412,7 +412,8 @@ def cmd_extract(args) -> int:
          example="eagle3 prepare --target-model /models/Llama-3.1-8B-Instruct --data sharegpt.jsonl --out train.jsonl",
          args=(arg("--target-model", required=True, metavar="DIR",
                    help="the target's Hugging Face directory: its tokenizer and chat template (read locally)"),
-               arg("--data", required=True, help="JSONL: ShareGPT 'conversations' or OpenAI-style 'messages'"),
+               arg("--data", required=True, help="JSONL: ShareGPT 'conversations' or OpenAI-style 'messages' "
+                                                 "(tool turns, tool_calls, a line's 'tools', reasoning_content)"),
                arg("--out", required=True, help="JSONL to write (atomically): id, input_ids, loss_mask; and "
                                                 "OUT.meta.json beside it"),
                arg("--format", choices=("sharegpt", "messages", "auto"), default="auto",
@@ -422,13 +423,17 @@ def cmd_extract(args) -> int:
                arg("--trust-remote-code", action="store_true",
                    help="allow the model's own tokenizer code (Kimi's tiktoken tokenizer needs it)"),
                arg("--show", type=int, default=0, metavar="K",
-                   help="print the first K conversations' tokens, those trained on in ⟦…⟧")))
+                   help="print the first K conversations' tokens, those trained on in ⟦…⟧"),
+               arg("--drop-reasoning", action="store_true",
+                   help="leave out assistant turns' reasoning_content (default: kept where the template renders it, "
+                        "and trained on as the assistant's own tokens)")))
 def cmd_prepare(args) -> int:
     from pipeline.prepare import prepare
     if args.max_length is not None and args.max_length < 2:
         raise UserError(f"--max-length {args.max_length}: must be at least 2")
     prepare(target_model=args.target_model, data=Path(args.data), out=Path(args.out), fmt=args.format,
-            max_length=args.max_length, system=args.system, trust_remote_code=args.trust_remote_code, show=args.show)
+            max_length=args.max_length, system=args.system, trust_remote_code=args.trust_remote_code, show=args.show,
+            reasoning=not args.drop_reasoning)
     return 0
 
 

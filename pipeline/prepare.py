@@ -33,7 +33,12 @@ from pathlib import Path
 from pipeline.errors import UserError
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-         "bing": "assistant", "model": "assistant", "bard": "assistant", "system": "system"}
+         "bing": "assistant", "model": "assistant", "bard": "assistant", "system": "system",
+         # a tool's output (OpenAI's "tool", older "function"; ShareGPT's "observation"; Llama 3.1's "ipython"):
+         # context the model reads, never trained on
+         "tool": "tool", "function": "tool", "observation": "tool", "ipython": "tool"}
+# what an OpenAI-style message carries besides its role and text, passed to the template as given
+CARRIED = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 PROGRESS_EVERY_S = 2.0
 
 
@@ -41,8 +46,10 @@ class LineError(ValueError):
     """A line that cannot be prepared: counted and named, never fatal."""
 
 
-def turns_of(obj, fmt: str) -> list[dict]:
-    """The line's conversation as [{"role", "content"}], roles normalised; LineError with the reason."""
+def turns_of(obj, fmt: str, *, reasoning: bool = True) -> list[dict]:
+    """The line's conversation as [{"role", "content", …}], roles normalised, with the tool calls, the tool call
+    ids and names and the reasoning (`reasoning_content`; dropped with `reasoning=False`) an OpenAI-style message
+    carries; LineError with the reason."""
     if not isinstance(obj, dict):
         raise LineError("not a JSON object")
     if fmt == "auto":
@@ -60,13 +67,22 @@ def turns_of(obj, fmt: str) -> list[dict]:
             raise LineError(f"turn {n} is not an object")
         role = ROLES.get(str(item.get(role_key, "")).lower())
         if role is None:
-            raise LineError(f"turn {n}: unknown role {item.get(role_key)!r} (expected user, assistant or system)")
+            raise LineError(f"turn {n}: unknown role {item.get(role_key)!r} (expected user, assistant, system or "
+                            "tool)")
         text = item.get(text_key)
+        calls = item.get("tool_calls")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list) or not calls):
+            raise LineError(f"turn {n}: 'tool_calls' must be a non-empty list on an assistant turn")
+        if text is None and calls:
+            text = ""  # an assistant turn that only calls tools (content null, as the OpenAI format writes it)
         if not isinstance(text, str):
             raise LineError(f"turn {n}: '{text_key}' is not text")
-        if role == "assistant" and not text.strip():
+        if role == "assistant" and not text.strip() and not calls:
             raise LineError(f"turn {n}: empty assistant turn")
-        turns.append({"role": role, "content": text})
+        turn = {"role": role, "content": text}
+        turn.update({k: item[k] for k in CARRIED if item.get(k) is not None
+                     and (reasoning or k != "reasoning_content")})
+        turns.append(turn)
     if not any(t["role"] == "assistant" for t in turns):
         raise LineError("no assistant turn: nothing to train on")
     return turns
@@ -88,26 +104,34 @@ class Renderer:
         self.tok = tokenizer
         self.fast = bool(getattr(tokenizer, "is_fast", False))
 
-    def render(self, turns: list[dict], *, generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+    def render(self, turns: list[dict], *, generation_prompt: bool, tools: list | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt, **extra)
 
-    def spans(self, turns: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """(rendered text, character spans of the assistant turns: content and end of turn)."""
-        full = self.render(turns, generation_prompt=False)
+    def spans(self, turns: list[dict], *, tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """(rendered text, character spans of the assistant turns: their reasoning where the template renders it,
+        content, tool calls and end of turn; never a tool's output, which is its own turn)."""
+        full = self.render(turns, generation_prompt=False, tools=tools)
         spans, cursor = [], 0
         for i, t in enumerate(turns):
             if t["role"] != "assistant":
                 continue
-            before = self.render(turns[:i], generation_prompt=True) if i else None
-            through = self.render(turns[: i + 1], generation_prompt=False)
+            before = self.render(turns[:i], generation_prompt=True, tools=tools) if i else None
+            through = self.render(turns[: i + 1], generation_prompt=False, tools=tools)
             if before is not None and full.startswith(through) and through.startswith(before) and len(before) >= cursor:
                 start, end = len(before), len(through)
-                # a generation prompt that stops short of the header's trailing whitespace: start at the text
-                at = through.find(t["content"].strip(), start)
-                if at > start and not through[start:at].strip():
-                    start = at
+                # a generation prompt that stops short of the header's trailing whitespace: start at the text —
+                # unless the text itself begins there (a genuine leading space is the model's to learn)
+                first = t.get("reasoning_content") or t["content"]
+                if not (first and through.startswith(first, start)):
+                    at = through.find(first.strip(), start) if first.strip() else -1
+                    if at > start and not through[start:at].strip():
+                        start = at
             else:  # a template that renders earlier turns differently: the content in the full text, then its tail
                 content = t["content"].strip()
+                if not content:
+                    raise LineError(f"assistant turn {i + 1}: the template renders earlier turns differently and "
+                                    "this one has no text to find them by (a tool call only)")
                 start = full.find(content, cursor)
                 if start < 0:
                     raise LineError(f"assistant turn {i + 1}: its text is not in the rendered conversation "
@@ -146,8 +170,8 @@ class Renderer:
                             "the model's fast tokenizer (tokenizer.json)")
         return ids, mask
 
-    def prepare(self, turns: list[dict], *, max_length: int | None) -> Prepared:
-        text, spans = self.spans(turns)
+    def prepare(self, turns: list[dict], *, max_length: int | None, tools: list | None = None) -> Prepared:
+        text, spans = self.spans(turns, tools=tools)
         ids, mask = self.tokens(text, spans)
         cut = max_length is not None and len(ids) > max_length
         if cut:
@@ -242,7 +266,8 @@ def refuse_json_array(data: Path) -> None:
 
 
 def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_length: int | None = None,
-            system: str | None = None, trust_remote_code: bool = False, show: int = 0, say=None) -> Summary:
+            system: str | None = None, trust_remote_code: bool = False, show: int = 0, reasoning: bool = True,
+            say=None) -> Summary:
     """Render, mask and write every line of `data` into `out` (atomically) and `out`.meta.json."""
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
     if not data.is_file():
@@ -261,10 +286,13 @@ def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_
                     continue
                 try:
                     obj = json.loads(raw)
-                    turns = turns_of(obj, fmt)
+                    turns = turns_of(obj, fmt, reasoning=reasoning)
+                    tools = obj.get("tools")
+                    if tools is not None and not isinstance(tools, list):
+                        raise LineError("'tools' is not a list of tool definitions")
                     if system is not None and turns[0]["role"] != "system":
                         turns = [{"role": "system", "content": system}, *turns]
-                    p = renderer.prepare(turns, max_length=max_length)
+                    p = renderer.prepare(turns, max_length=max_length, tools=tools)
                 except LineError as exc:
                     s.skip(n, str(exc), str(exc).split(": ", 1)[-1] if str(exc).startswith("turn ") else str(exc))
                     continue
@@ -299,6 +327,7 @@ def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_
     meta = {"tokenizer": str(Path(target_model).resolve()), "tokenizer_class": type(renderer.tok).__name__,
             "chat_template_sha256": hashlib.sha256(renderer.tok.chat_template.encode()).hexdigest(),
             "format": fmt, "max_length": max_length, "system": system, "source": str(data.resolve()),
+            "reasoning": "kept where the template renders it" if reasoning else "dropped (--drop-reasoning)",
             "conversations": s.conversations, "tokens": s.tokens, "assistant_tokens": s.assistant_tokens,
             "cut": s.cut, "skipped": sum(s.skipped.values()), "end_of_turn_ids": renderer.end_of_turn_ids()}
     meta_path = meta_path_of(out)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.prepare import Renderer, load_tokenizer, prepare, read_meta, turns_of
+from pipeline.prepare import LineError, Renderer, load_tokenizer, prepare, read_meta, turns_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,7 +28,7 @@ KIMI = ("{%- for m in messages %}{%- if m['role'] == 'system' %}<|im_system|>sys
 MARKED = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{%- if m['role'] == 'assistant' %}"
           "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{%- else %}{{ m['content'] }}<|im_end|>"
           "{%- endif %}\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
-SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_system|>",
+SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|im_system|>",
             "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<|im_start|>"]
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "yo!"}, {"role": "user", "content": "more"},
@@ -232,3 +232,91 @@ def test_a_json_array_is_named_as_such_with_the_way_to_convert_it(tmp_path, text
     with pytest.raises(UserError) as refused:
         prepare(target_model=str(tmp_path / "no-model"), data=tmp_path / "chats.json", out=tmp_path / "o.jsonl")
     assert "a JSON array, not JSON lines" in str(refused.value) and "jq -c '.[]'" in str(refused.value)
+
+
+
+# Issue 51. Llama-3.1's tool calling as its model card documents it, reduced to its shape: the tools in a system
+# header, a tool call as JSON ending <|eom_id|>, the tool's output under the "ipython" role.
+LLAMA31_TOOLS = (
+    "{{- bos_token }}{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nTools: ' + tools | tojson"
+    " + '<|eot_id|>' }}{%- endif %}{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and m['tool_calls'] %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for c in m['tool_calls'] %}{{- '{\"name\": \"' + c['function']['name'] + '\", \"parameters\": ' + "
+    "c['function']['arguments'] | tojson + '}' }}{%- endfor %}{{- '<|eom_id|>' }}"
+    "{%- elif m['role'] == 'tool' %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m['content'] + "
+    "'<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + "
+    "'<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+# Qwen3's thinking template, reduced to its shape: reasoning in <think>…</think> before the answer, rendered only for
+# the assistant turns after the last user message (earlier turns lose theirs once a later question follows)
+QWEN3_THINKING = (
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if m.get('reasoning_content') and loop.index0 > ns.last %}{{- '<think>\\n' + m['reasoning_content'] + "
+    "'\\n</think>\\n\\n' }}{%- endif %}{{- m['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_tool_calls_are_trained_and_tool_output_never_on_a_llama_31_tool_template(tmp_path):
+    """An OpenAI tool-calling conversation (content null on the call, a tool turn, the line's tools): the call and
+    the answer after the tool are the assistant's own tokens; the tools' definitions and the tool's output are not."""
+    tok = load_tokenizer(str(tokenizer_dir(tmp_path, LLAMA31_TOOLS)), trust_remote_code=False)
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+    line = {"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."}], "tools": tools}
+    turns = turns_of(line, "auto")
+    assert [t["role"] for t in turns] == ["user", "assistant", "tool", "assistant"] and turns[2]["tool_call_id"] == "c1"
+    got = Renderer(tok).prepare(turns, max_length=None, tools=tools)
+    call = '{"name": "get", "parameters": ' + json.dumps({"city": "Oslo"}) + "}"
+    ids, mask = by_hand(tok, [
+        (f"<|begin_of_text|>{H[0]}system{H[1]}Tools: {json.dumps(tools)}<|eot_id|>{H[0]}user{H[1]}weather?<|eot_id|>"
+         f"{H[0]}assistant{H[1]}", 0), (f"{call}<|eom_id|>", 1),
+        (f"{H[0]}ipython{H[1]}sunny<|eot_id|>{H[0]}assistant{H[1]}", 0), ("It is sunny.<|eot_id|>", 1)])
+    assert got.input_ids == ids and got.loss_mask == mask
+
+
+def test_reasoning_is_trained_where_the_template_renders_it_and_dropped_on_request(tmp_path):
+    """Qwen3-style thinking: the last answer's <think>…</think> is the assistant's own (trained); an earlier turn's
+    reasoning is not rendered once a later question follows, so only its answer is; --drop-reasoning leaves it out."""
+    tok = load_tokenizer(str(tokenizer_dir(tmp_path, QWEN3_THINKING)), trust_remote_code=False)
+    line = {"messages": [{"role": "user", "content": "2+2?"},
+                         {"role": "assistant", "content": "4", "reasoning_content": "add"},
+                         {"role": "user", "content": "and 3+3?"},
+                         {"role": "assistant", "content": "6", "reasoning_content": "add again"}]}
+    got = Renderer(tok).prepare(turns_of(line, "auto"), max_length=None)
+    ids, mask = by_hand(tok, [("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", 0), ("4<|im_end|>", 1),
+                              ("\n<|im_start|>user\nand 3+3?<|im_end|>\n<|im_start|>assistant\n", 0),
+                              ("<think>\nadd again\n</think>\n\n6<|im_end|>", 1), ("\n", 0)])
+    assert got.input_ids == ids and got.loss_mask == mask
+    dropped = Renderer(tok).prepare(turns_of(line, "auto", reasoning=False), max_length=None)
+    ids, mask = by_hand(tok, [("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", 0), ("4<|im_end|>", 1),
+                              ("\n<|im_start|>user\nand 3+3?<|im_end|>\n<|im_start|>assistant\n", 0),
+                              ("6<|im_end|>", 1), ("\n", 0)])
+    assert dropped.input_ids == ids and dropped.loss_mask == mask
+
+
+def test_a_genuine_leading_space_in_an_answer_is_trained(tmp_path):
+    """ChatML as Qwen2.5 writes it: the generation prompt ends with its newline, and an answer that starts with a
+    space starts with a token the model must learn to emit."""
+    tok = load_tokenizer(str(tokenizer_dir(tmp_path, CHATML)), trust_remote_code=False)
+    got = Renderer(tok).prepare([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " yes"}],
+                                max_length=None)
+    ids, mask = by_hand(tok, [("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", 0), (" yes<|im_end|>", 1),
+                              ("\n", 0)])
+    assert got.input_ids == ids and got.loss_mask == mask
+
+
+def test_tool_turn_shapes_are_checked_with_one_line_each():
+    with pytest.raises(LineError, match="turn 1: 'tool_calls' must be a non-empty list on an assistant turn"):
+        turns_of({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": 1}]}]}, "auto")
+    with pytest.raises(LineError, match="turn 2: 'content' is not text"):
+        turns_of({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}, "auto")
