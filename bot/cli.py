@@ -515,12 +515,18 @@ def cmd_chart(args) -> int:
          args=(arg("checkpoint", help="a training --out directory (its latest checkpoint) or checkpoints/step_N"),
                arg("--out", required=True, help="directory to write (replaced atomically)"),
                arg("--with-embeddings", metavar="TARGET_DIR",
-                   help="also write the target's embedding (SGLang swaps the target's in without it)")))
+                   help="also write the target's embedding (SGLang swaps the target's in without it)"),
+               arg("--served-context", type=int, metavar="N",
+                   help="the context length the target is served at (default: its max_position_embeddings): a "
+                        "warning when it is longer than the draft was trained on")))
 def cmd_export(args) -> int:
-    from pipeline.train.export import export_checkpoint, launch_line, tp_line
+    from pipeline.train.export import context_warning, export_checkpoint, launch_line, tp_line
     out = export_checkpoint(Path(args.checkpoint), Path(args.out),
                             with_embeddings=Path(args.with_embeddings) if args.with_embeddings else None)
     print(f"wrote {out} (LlamaForCausalLMEagle3; checked against SGLang's load rules); {tp_line(out)}")
+    warning = context_warning(out, served_context=args.served_context)
+    if warning:
+        print(warning)
     print(f"serve it with: {launch_line(out, args.with_embeddings or 'TARGET_MODEL')}")
     return 0
 

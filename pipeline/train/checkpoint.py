@@ -85,7 +85,7 @@ def shape_problem(out: Path, *, step: int, config) -> str | None:
         return str(exc)
     now = config.to_dict()
     diff = [f"{k} {saved.get(k)!r} → {now[k]!r}" for k in now
-            if k not in ("aux_layer_ids", "aux_ids") and saved.get(k) != now[k]]
+            if k not in ("aux_layer_ids", "aux_ids", "train_max_length") and saved.get(k) != now[k]]
     return f"the checkpoint at step {step} has another shape ({'; '.join(diff)})" if diff else None
 
 

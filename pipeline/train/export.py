@@ -49,7 +49,26 @@ def sglang_config(cfg: dict) -> dict:
         ids = [i - 1 for i in ids]
     if ids:  # the ids the extraction's server was given: the same model maps them to the same layers
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True}
+    if cfg.get("train_max_length"):  # the context guard's record (SGLang reads no such key)
+        out[TRAIN_MAX_LENGTH_KEY] = int(cfg["train_max_length"])
     return out
+
+
+TRAIN_MAX_LENGTH_KEY = "eagle3_train_max_length"
+
+
+def context_warning(draft: Path, *, served_context: int | None = None) -> str | None:
+    """A warning when the target serves contexts longer than the draft was trained on (`served_context`, else
+    the target's max_position_embeddings the draft's config carries): past its training length a draft's
+    acceptance falls, and speculation can end up slower than none."""
+    config = json.loads((Path(draft) / "config.json").read_text())
+    trained = config.get(TRAIN_MAX_LENGTH_KEY)
+    served = served_context or config.get("max_position_embeddings")
+    if not isinstance(trained, int) or not isinstance(served, int) or served <= trained:
+        return None
+    return (f"WARNING: the draft was trained on samples of up to {trained:,} tokens and the target serves contexts "
+            f"of up to {served:,}: past {trained:,} tokens its acceptance falls, and speculation can be slower than "
+            "none; train with a larger --max-length (and --token-budget) on long data, or cap the served context")
 
 
 def export_checkpoint(checkpoint: Path, out: Path, *, with_embeddings: Path | None = None) -> Path:

@@ -35,7 +35,7 @@ from pipeline.train.data import (
     to_device,
     token_counts,
 )
-from pipeline.train.export import export_checkpoint, launch_line, tp_line
+from pipeline.train.export import context_warning, export_checkpoint, launch_line, tp_line
 from pipeline.train.model import (
     DraftConfig,
     Eagle3Draft,
@@ -72,7 +72,10 @@ def parser(prog: str = "python -m pipeline.train", epilog: str | None = None) ->
                         "through the safetensors index (--lm-head: the older name)")
     p.add_argument("--out", required=True, help="checkpoint directory (progress.jsonl goes here; the draft for "
                                                "SGLang is exported to OUT/draft at the end)")
-    p.add_argument("--steps", type=int, required=True, help="train up to this step")
+    p.add_argument("--steps", type=int, help="train up to this optimizer step (or give --epochs)")
+    p.add_argument("--epochs", type=float,
+                   help=f"train this many passes over the training samples (default {DEFAULT_EPOCHS:g}, SpecForge's "
+                        "num_epochs, when --steps is not given): steps = epochs × batches per rank / --grad-accum")
     p.add_argument("--resume", action="store_true",
                    help="resuming is the default: training continues from --out's latest checkpoint when it is this "
                         "training's (same shape, run and data); with --resume a checkpoint of another shape is "
@@ -176,6 +179,8 @@ class Dist:
             dist.destroy_process_group()
 
 
+DEFAULT_EPOCHS = 10.0  # SpecForge's train_eagle3.py --num-epochs default
+
 # SpecForge's EAGLE-3 draft for DeepSeek-V3 (configs/deepseek-v3-671b-eagle3.json): 128-wide heads, 8 KV heads,
 # MLP 40960 at hidden 7168. An MLA target's own attention (64 heads of a 192-wide query, a 512-rank latent KV) is not
 # a shape a Llama draft layer can take.
@@ -253,7 +258,8 @@ def draft_config(args, corpus: Corpus, target: Target) -> DraftConfig:
         vocab_size=target.vocab, draft_vocab_size=want, rms_norm_eps=float(c.get("rms_norm_eps") or 1e-5),
         rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
         aux_layer_ids=capture.draft_ids(corpus.layer_ids, corpus.layer_convention, c.get("num_hidden_layers"),
-                                        model=corpus.identity.get("model")), aux_ids=capture.AUX_IDS_EAGLE_CONFIG)
+                                        model=corpus.identity.get("model")), aux_ids=capture.AUX_IDS_EAGLE_CONFIG,
+        train_max_length=args.max_length)
 
 
 def validate(model, corpus: Corpus, head: TargetHead, final_norm, args, device) -> dict:
@@ -318,6 +324,13 @@ def run(args: argparse.Namespace) -> int:
             with torch.no_grad():
                 final_norm.weight.copy_(target.norm)
             final_norm.requires_grad_(False)
+        if args.steps is None:  # --epochs (SpecForge's default): the steps its passes over the data take
+            epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS
+            per_rank = max(1, len(batches(corpus.train, budget=args.token_budget, seed=args.seed, epoch=0)) // d.world)
+            args.steps = max(1, math.ceil(epochs * per_rank / args.grad_accum))
+            if d.rank == 0:
+                print(f"train: {epochs:g} epoch(s) of {per_rank} batch(es) per rank, --grad-accum {args.grad_accum}: "
+                      f"{args.steps} steps", flush=True)
         model, cfg = build(args, corpus, target, d)
         if args.compile:
             compile_draft(model)
@@ -364,6 +377,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_args(args) -> None:
     """Flag combinations refused before anything is read; --max-length's default filled in."""
+    if args.steps is not None and args.epochs is not None:
+        raise UserError("give --steps or --epochs, not both")
+    if args.steps is not None and args.steps < 1 or args.epochs is not None and args.epochs <= 0:
+        raise UserError("--steps must be at least 1 and --epochs above 0")
     if args.max_length is None:
         args.max_length = min(DEFAULT_MAX_LENGTH, args.token_budget)
     for flag, value, low in (("--max-length", args.max_length, 2), ("--grad-accum", args.grad_accum, 1),
@@ -561,6 +578,9 @@ def _validation(out: Path, step: int, model, corpus, ctx: Ctx, args, d: Dist) ->
 def _export(out: Path, step: int, ctx: Ctx) -> None:
     dest = export_checkpoint(checkpoint.step_dir(out, step), (out / "draft").resolve())
     print(f"train: draft for SGLang written to {dest} (LlamaForCausalLMEagle3); {tp_line(dest)}", flush=True)
+    warning = context_warning(dest)
+    if warning:
+        print(f"train: {warning}", flush=True)
     print(f"train: serve it with: {launch_line(dest, str(Path(ctx.target.source).resolve()))}", flush=True)
 
 

@@ -53,6 +53,7 @@ class DraftConfig:
     aux_layer_ids: list[int] = field(default_factory=list)
     aux_ids: str = "layer-inputs"
     layout: str = "sglang-llama-eagle3"
+    train_max_length: int | None = None  # the longest sample trained on (--max-length): no shape, a context guard
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -402,3 +402,28 @@ def test_max_length_cuts_long_samples_and_grad_accum_takes_the_next_batches(toy_
     assert train_main([*common[:-4], "--token-budget", "512", "--max-length", "1024", "--out", str(tmp_path / "c"),
                        "--steps", "1"]) == 2
     assert "--max-length 1024 is more than --token-budget 512" in capsys.readouterr().err
+
+
+def test_epochs_set_the_steps_and_the_export_guards_the_context_it_was_trained_at(toy_extraction, tmp_path, capsys):
+    """Issue 51: --epochs beside --steps (SpecForge's default when neither is given); the exported config records
+    the training max length, and export warns that the target serves longer contexts (the toy's 2,048)."""
+    from pipeline.train.data import batches, load_corpus
+    from pipeline.train.export import TRAIN_MAX_LENGTH_KEY, context_warning
+
+    rc = train_main(["--data", str(toy_extraction["out"]), "--target-model", str(toy_extraction["target"]), "--out",
+                     str(tmp_path / "c"), "--epochs", "0.25", "--ttt", "2", "--token-budget", "512", "--max-length",
+                     "256"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    corpus = load_corpus(toy_extraction["out"], skip_bad=False, max_length=256)
+    per_rank = len(batches(corpus.train, budget=512, seed=0, epoch=0))
+    steps = -(-per_rank // 4)  # ceil(0.25 × batches)
+    assert f"train: 0.25 epoch(s) of {per_rank} batch(es) per rank, --grad-accum 1: {steps} steps" in out, out
+    assert len(progress(tmp_path / "c")) == steps
+    exported = json.loads((tmp_path / "c" / "draft" / "config.json").read_text())
+    assert exported[TRAIN_MAX_LENGTH_KEY] == 256 and exported["max_position_embeddings"] == 2048
+    assert "train: WARNING: the draft was trained on samples of up to 256 tokens and the target serves contexts of " \
+           "up to 2,048" in out
+    assert context_warning(tmp_path / "c" / "draft", served_context=200) is None
+    assert train_main(["--data", "d", "--out", str(tmp_path / "o"), "--steps", "2", "--epochs", "1"]) == 2
+    assert "train: give --steps or --epochs, not both" in capsys.readouterr().err

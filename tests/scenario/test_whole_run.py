@@ -117,6 +117,12 @@ def test_a_whole_demo_run_told_in_a_channel(tmp_path):
     train_ends = [p for p in channel if re.search(r"\*train is done\*|training-done", p.get("text", ""))]
     assert len(extract_ends) == 1 and len(train_ends) == 1, [p.get("text") for p in channel]
 
+    # the wedge is a stall although its requests are "running" on a healthy server (health still passes), flagged
+    # within the stall floor and a few ticks of the last progress (the real server once: test_monitor's stand-ins
+    # cover the rest)
+    assert "request(s) 'running' on a healthy server but none completed" in alert["text"], alert["text"]
+    quiet = int(re.search(r"no progress for (\d+)s", alert["text"]).group(1))
+    assert quiet <= 5 + 3 * 1 + 5, alert["text"]
     # the escalation: a reply in the alert's thread, broadcast, mentioning on-call; resolved in place with the alert
     assert escalation.get("reply_broadcast") in (True, "true", "1", 1) and "<@UONCALL>" in escalation["text"]
     escalation_ts = ts_of(escalation)
