@@ -56,6 +56,8 @@ def test_a_whole_demo_run_told_in_a_channel(tmp_path):
     text = re.sub(r'("toy-server", "--port", "\d+")',
                   rf'\1, "--hang-after", "{HANG_AFTER}", "--hang-for", "{HANG_FOR_S}"', cfg.read_text())
     text = text.replace("stall_floor_s = 30", "stall_floor_s = 5")
+    # one training process: the 2-process torchrun is the demo's and test_train's to prove, this story's is the channel
+    text = text.replace('"--nproc-per-node", "2"', '"--nproc-per-node", "1"')
     cfg.write_text('[slack]\nchannel = "C1"\nallowed_user_ids = ["UOK"]\noncall_user_ids = ["UONCALL"]\n'
                    'min_edit_s = 1\nescalate_after_min = 0.05\n' + text)
     port = _free_port()
