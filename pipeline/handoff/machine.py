@@ -127,16 +127,19 @@ class Handoff:
             self.store.add_event(kind="handoff", run_id=run, data={"step": step, "reason": reason})
         return state
 
-    def _note(self, reason: str) -> None:
+    def _note(self, reason: str, *, step: str) -> None:
         """A new reason within the same step. The state always shows the latest numbers; an event
-        is recorded only when the kind of reason changes, not each time a count moves."""
-        state = self.state()
-        if not state or state.get("reason") == reason:
-            return
-        if _shape(state.get("reason") or "") != _shape(reason):
-            self._set(state["step"], reason)
-        else:
-            self.store.put(KEY, {**state, "reason": reason})
+        is recorded only when the kind of reason changes, not each time a count moves. Read and written in one
+        transaction: a cancel from another process that lands between them is never written over (a stale
+        "launching-training, retrying in 2 s" once put back a cancelled handoff, which then launched)."""
+        with self.store.atomic():
+            state = self.state()
+            if not state or state.get("step") != step or state.get("reason") == reason:
+                return  # the step moved on (a cancel) since the caller read it: its news is no longer true
+            if _shape(state.get("reason") or "") != _shape(reason):
+                self._set(state["step"], reason)
+            else:
+                self.store.put(KEY, {**state, "reason": reason})
 
     # --- verbs ------------------------------------------------------------------------------
     def arm(self, *, by: str) -> tuple[bool, dict]:
@@ -201,7 +204,7 @@ class Handoff:
             return
         c = completion.check(self.ws, self.store, verify_sample=self.ws.config.handoff.verify_sample)
         if not c.complete:
-            self._note("waiting: " + "; ".join(c.missing))
+            self._note("waiting: " + "; ".join(c.missing), step=WAITING)
             return
         self._set(STOPPING, f"extraction verified complete ({c.done:,} done, {c.failed or 0:,} failed of {c.total:,})")
 
@@ -227,7 +230,7 @@ class Handoff:
             self.store.add_event(kind="handoff-alert", data={"reason": reason})
             self._set(FAILED, reason)
         else:
-            self._note(f"waiting for GPU release: {why}")
+            self._note(f"waiting for GPU release: {why}", step=GPU_WAIT)
 
     def _released(self, state: dict) -> tuple[bool, str]:
         server = self.store.latest_proc("server")
@@ -279,14 +282,14 @@ class Handoff:
                 due = (attempts[-1].ended_at or 0) + cfg.launch_backoff_s * 2 ** (len(attempts) - 1)
                 if self.clock() < due:
                     self._note(f"launch attempt {len(attempts)} of {cfg.launch_attempts} failed "
-                               f"({attempts[-1].reason}); retrying in {due - self.clock():.0f} s")
+                               f"({attempts[-1].reason}); retrying in {due - self.clock():.0f} s", step=LAUNCHING)
                     return
             # checked in the insert's transaction: a cancel that landed since this tick read the step wins
             if self.sup.start("train", only_if=lambda: (self.state() or {}).get("step") == LAUNCHING) is None:
                 return
         started = [p for p in rows() if p.launched]
         if not started:
-            self._note("waiting for the training runner to report its pid")
+            self._note("waiting for the training runner to report its pid", step=LAUNCHING)
             return
         with self.store.atomic():  # the same transaction as a cancel's check: one of the two wins
             if (self.state() or {}).get("step") == LAUNCHING:

@@ -23,7 +23,7 @@ from tests.support.fake_slack import FakeSlack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-HANG_AFTER, HANG_FOR_S = 24, 22  # the toy server wedges on its 25th /generate and recovers 22 s later
+HANG_AFTER, HANG_FOR_S = 24, 26  # the toy server wedges on its 25th /generate and recovers 26 s later
 
 
 def _free_port() -> int:

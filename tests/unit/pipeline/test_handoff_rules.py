@@ -434,3 +434,50 @@ def test_a_restart_by_hand_is_counted_apart_from_the_policys_and_per_run(tmp_pat
         assert ctl.restarts("extract") == {"policy": 0, "hand": 0}, "a new run counts from 0"
     finally:
         store.close()
+
+
+def test_a_cancel_that_lands_while_a_step_notes_its_news_is_never_written_over(tmp_path):
+    """Found by the suite under load: the launch step's "retrying in 2 s" note read the state, another process's
+    `autostart off` committed the cancel, and the note wrote the stale launching-training state back — which then
+    launched training after the operator was told it would not. The note reads and writes in one transaction,
+    and only for the step its caller was in."""
+    import threading
+
+    from pipeline.handoff.machine import CANCELLED, LAUNCHING, WAITING
+
+    ws, store = used_ws(tmp_path)
+    sup = type("S", (), {"refresh": lambda self: None})()
+    h = Handoff(ws=ws, store=store, supervisor=sup)
+
+    def autostart_off():  # `eagle3 autostart off`: another process, its own connection
+        other = Store(ws.store_path, check_integrity=False)
+        try:
+            Handoff(ws=ws, store=other, supervisor=sup).cancel(by="cli")
+        finally:
+            other.close()
+
+    try:
+        store.open_run()
+        h.arm(by="test")
+        for step in (WAITING, "stopping-server", "waiting-for-gpu-release", LAUNCHING):
+            h._set(step, "test")
+        h._set(LAUNCHING, "launch attempt 1 of 3 failed (x); retrying in 3 s")
+        canceller = threading.Thread(target=autostart_off)
+        read = h.state
+
+        def state_then_cancel():  # the cancel commits right after the note's read, as it did in the suite
+            s = read()
+            if not canceller.is_alive() and canceller.ident is None:
+                canceller.start()
+                canceller.join(timeout=0.5)
+            return s
+
+        h.state = state_then_cancel
+        h._note("launch attempt 1 of 3 failed (x); retrying in 2 s", step=LAUNCHING)
+        canceller.join(timeout=10)
+        h.state = read
+        assert handoff_state(store)["step"] == CANCELLED
+        h._note("launch attempt 1 of 3 failed (x); retrying in 1 s", step=LAUNCHING)  # a tick that read it before
+        assert handoff_state(store)["step"] == CANCELLED and handoff_state(store)["reason"] == "cancelled by cli"
+    finally:
+        store.close()
