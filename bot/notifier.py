@@ -32,6 +32,7 @@ from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.handoff.machine import TRAINING, TRAINING_DONE, TRAINING_FAILED, handoff_state
 from pipeline.manifest import mass_line
 from pipeline.observe.charts import alt_text, render_run
+from pipeline.prepare import read_meta
 from pipeline.status import RunStatus
 from pipeline.store import KV, Store
 from pipeline.verdict import Verdict
@@ -89,6 +90,7 @@ class Notifier:
         self.collect(store)
         self.escalate(store)
         self.milestones(store)
+        self.preview(store)
         self.deliver(store)
 
     def collect(self, store: Store) -> None:
@@ -256,6 +258,27 @@ class Notifier:
                               thread_key=f"status:{run}",
                               attachment={"chart": "extract", "run": run, "text_if_none": True})
         store.put(self.k + KV.milestones(run), passed)
+
+    def preview(self, store: Store) -> None:
+        """Once per run, as its first data stage (regeneration or extraction) starts: the first conversation of the
+        data as `eagle3 prepare` rendered it, the trained tokens in ⟦…⟧, in the run's thread — a wrong template or
+        mask is seen before terabytes are extracted from it. Nothing where the data has no prepare sidecar."""
+        run = store.current_run()
+        if not run or store.get(self.k + KV.previewed(run)):
+            return
+        for stage in ("regenerate", "extract"):
+            if store.latest_proc(stage, run=run) is None:
+                continue
+            store.put(self.k + KV.previewed(run), True)  # once, whether or not there is a preview
+            ws = self.ws.for_run(run)
+            data = ws.resolve(getattr(ws.config.stages, stage).data)
+            shown = ((read_meta(data) or {}).get("preview") if data else None) or {}
+            if shown.get("text"):
+                text = (f"Template check — {stage} reads `{data.name}`; its first conversation ({shown.get('id')}, "
+                        f"{shown.get('tokens', 0):,} tokens, {shown.get('trained', 0):,} trained on) as the chat "
+                        f"template renders it, the trained tokens in ⟦…⟧:\n```{shown['text']}```")
+                store.enqueue(channel=self.channel, kind="preview", text=text, thread_key=f"status:{run}")
+            return
 
     def needs_status(self, store: Store) -> bool:
         """True when a run is open and its status message was never enqueued (a run just started), or what it

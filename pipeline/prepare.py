@@ -276,6 +276,7 @@ def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_
     renderer = Renderer(load_tokenizer(target_model, trust_remote_code=trust_remote_code))
     total_bytes = data.stat().st_size or 1
     s = Summary()
+    preview = None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     last = time.monotonic()
@@ -308,6 +309,9 @@ def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_
                 s.tokens += len(p.input_ids)
                 s.assistant_tokens += sum(p.loss_mask)
                 s.cut += int(p.cut)
+                if s.conversations == 1:  # what the channel is shown before anything is extracted from it
+                    preview = {"id": str(sid), "line": n, "tokens": len(p.input_ids), "trained": sum(p.loss_mask),
+                               "text": _clip_preview(renderer.show(p))}
                 if s.conversations <= show:
                     say(f"--- conversation {sid} (line {n}): {len(p.input_ids)} tokens, trained on those in ⟦…⟧\n"
                         f"{renderer.show(p)}")
@@ -329,7 +333,8 @@ def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_
             "format": fmt, "max_length": max_length, "system": system, "source": str(data.resolve()),
             "reasoning": "kept where the template renders it" if reasoning else "dropped (--drop-reasoning)",
             "conversations": s.conversations, "tokens": s.tokens, "assistant_tokens": s.assistant_tokens,
-            "cut": s.cut, "skipped": sum(s.skipped.values()), "end_of_turn_ids": renderer.end_of_turn_ids()}
+            "cut": s.cut, "skipped": sum(s.skipped.values()), "end_of_turn_ids": renderer.end_of_turn_ids(),
+            "preview": preview}
     meta_path = meta_path_of(out)
     meta_tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}")
     meta_tmp.write_text(json.dumps(meta, indent=1) + "\n")
@@ -339,6 +344,14 @@ def prepare(*, target_model: str, data: Path, out: Path, fmt: str = "auto", max_
     say(s.line())
     say(f"prepare: wrote {out} and {meta_path.name}; next: eagle3 extract --data {out} …")
     return s
+
+
+PREVIEW_CHARS = 2500  # a Slack code block shows this much readably
+
+
+def _clip_preview(text: str) -> str:
+    """The first conversation as `--show` prints it, cut to PREVIEW_CHARS (its start is where masks go wrong)."""
+    return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + " …"
 
 
 def meta_path_of(data: Path) -> Path:

@@ -143,6 +143,7 @@ class KV:
     milestones = _family("milestones:")  # (run) the progress milestones posted
     open_alert = _family("open-alert:")  # (stage) the alert to resolve in place
     ts = _family("ts:")  # (update_key) the chat service's ts of the message with this update key
+    previewed = _family("previewed:")  # (run) the data's template preview was posted in the run's thread
     step_told = _family("step-told:")  # (run) the last handoff step told in the run's thread (one reply a step)
     final_status = _family("final-status:")  # (run) its status post was given its final render
     restarting = _family("restarting:")  # (stage) a restart by hand under way {of: proc id, t}: its stop is no ending

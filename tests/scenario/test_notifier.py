@@ -659,3 +659,35 @@ def test_who_chose_what_on_the_status_post_stays_through_the_next_edit(env):
     n.post_status(store, ctl.status(sample_if_unmonitored=False), ctl.state_version())
     n.tick(store)
     assert run2 != run and "chose" not in str(fake.of("chat.postMessage")[-1]["blocks"])
+
+
+def test_the_datas_template_preview_goes_once_into_the_runs_thread_as_its_first_data_stage_starts(tmp_path):
+    """Issue 51: `eagle3 prepare` keeps its first conversation, rendered with the trained tokens in ⟦…⟧, in the
+    sidecar; the run's thread shows it when extraction (or regeneration) starts — a wrong mask is seen before
+    terabytes are extracted. Once per run; data without a sidecar shows nothing."""
+    fake = FakeSlack()
+    ws = Workspace(config=parse_config('[slack]\nchannel = "C1"\n[stages.extract]\nargv = ["x"]\ndata = "d.jsonl"\n',
+                                       name="e.toml"), path=tmp_path / "eagle3.toml")
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    (tmp_path / "d.meta.json").write_text(json.dumps({"preview": {"id": "c1", "tokens": 12, "trained": 4,
+                                                                  "text": "<|user|>hi<|assistant|>⟦yo!<|end|>⟧"}}))
+    store = Store(ws.store_path)
+    try:
+        n = Notifier(ws=ws, client=slack_client("xoxb-test", fake.url + "/api/"), pace_s=0.0, host="")
+        run = store.open_run()
+        from pipeline.controller import Controller
+
+        ctl = Controller(workspace=ws, store=store)
+        n.post_status(store, ctl.status(sample_if_unmonitored=False), ctl.state_version())
+        n.tick(store)
+        assert not [p for p in fake.of("chat.postMessage") if "Template check" in p["text"]], "no data stage yet"
+        store.insert_proc({"run_id": run, "stage": "extract", "state": "running", "argv": "[]", "started_at": 1.0,
+                           "stop_requested": 0})
+        n.tick(store)
+        n.tick(store)
+        shown = [p for p in fake.of("chat.postMessage") if "Template check" in p["text"]]
+        assert len(shown) == 1 and shown[0]["thread_ts"] and "⟦yo!<|end|>⟧" in shown[0]["text"], shown
+        assert "c1, 12 tokens, 4 trained on" in shown[0]["text"]
+    finally:
+        store.close()
+        fake.close()

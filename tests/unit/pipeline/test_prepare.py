@@ -151,6 +151,8 @@ def test_a_file_with_bad_lines_prepares_the_rest_names_each_and_writes_the_sidec
     tok = load_tokenizer(str(tdir), trust_remote_code=False)
     assert meta["end_of_turn_ids"] == [tok.convert_tokens_to_ids("<|eot_id|>")]
     assert any(r["input_ids"][-1] not in meta["end_of_turn_ids"] for r in rows)  # a cut one
+    # the first conversation as --show prints it, for the run's thread before anything is extracted from it
+    assert meta["preview"]["id"] == "c1" and "⟦yo!<|eot_id|>⟧" in meta["preview"]["text"]
     assert (tmp_path / "train.meta.json").exists() and not list(tmp_path.glob(".train*"))
 
 
