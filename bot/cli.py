@@ -450,6 +450,12 @@ def cmd_prepare(args) -> int:
                arg("--max-retries", type=int, default=3, help="retries of a failed request (default 3)"),
                arg("--server-wait", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds for a server that is still starting"),
+               arg("--target-model", metavar="DIR",
+                   help="re-render each turn's history through this target's chat template, as serving does (the "
+                        "conversations come from the chat file eagle3 prepare read; earlier reasoning is dropped where "
+                        "the template drops it); default: the earlier turns go back as the tokens generated"),
+               arg("--trust-remote-code", action="store_true", help="with --target-model: allow the model's own "
+                                                                    "tokenizer code"),
                arg("--eot-id", type=int, action="append", metavar="ID",
                    help="an end-of-turn token id the answers stop at (repeatable; default: those eagle3 prepare read "
                         "off the chat template, in DATA's .meta.json)"),
@@ -459,7 +465,8 @@ def cmd_regenerate(args) -> int:
     return regenerate(Options(server=args.server, data=Path(args.data), out=Path(args.out),
                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               concurrency=args.concurrency, max_retries=args.max_retries,
-                              server_wait_s=args.server_wait, force=args.force, eot_ids=args.eot_id))
+                              server_wait_s=args.server_wait, force=args.force, eot_ids=args.eot_id,
+                              target_model=args.target_model, trust_remote_code=args.trust_remote_code))
 
 
 @command("verify", "open random extracted files and check keys, shapes, token ids and finiteness",

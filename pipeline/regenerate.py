@@ -12,10 +12,12 @@ this OUT.meta.json. The answer's tokens are trained on; an answer that reaches `
 with the end-of-turn token (not trained on, not the target's) so the conversation keeps its shape, and
 counted.
 
-Not yet: multi-turn conversations go back to the target as tokens (the earlier turns as it generated them);
-templates that render earlier turns differently once later ones follow (dropping earlier reasoning, as Qwen3's
-and Kimi's thinking templates do) would want the history re-rendered through the template, as SpecForge's
-regeneration through the chat endpoint does.
+With `--target-model DIR`, each turn's history is rendered through the target's chat template instead, as
+serving (and SpecForge's regeneration through the chat endpoint) builds it: the conversations come from the
+chat file `prepare` read (its sidecar names it), the target's earlier answers go back as messages (a leading
+<think>…</think> as their reasoning), so a template that drops earlier reasoning once a later question
+follows (Qwen3's, Kimi's thinking templates) drops it here too; the finished conversation is prepared again
+with the template. Without it, the earlier turns go back as the tokens generated.
 
 Resumable and exact like the extraction: `OUT.parts/` holds `manifest.sqlite` (the same table as the
 extraction's: a row per sample, done or failed) and one small JSON file per finished sample
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import sys
 import threading
@@ -47,7 +50,7 @@ from pipeline.extract.options import ClientOptions
 from pipeline.extract.preflight import fetch_info
 from pipeline.layout import lines_dir, parts_dir
 from pipeline.manifest import Manifest, read_done, summarize
-from pipeline.prepare import meta_path_of, read_meta
+from pipeline.prepare import LineError, Renderer, load_tokenizer, meta_path_of, read_meta, turns_of
 
 PROGRESS_EVERY_S = 5.0
 
@@ -62,6 +65,8 @@ class Options(ClientOptions):
     timeout_s: float = 900.0
     server_wait_s: float = 0.0
     eot_ids: list[int] | None = None  # the end-of-turn tokens (default: those `prepare` read off the template)
+    target_model: str | None = None  # with it: each turn's history re-rendered through the chat template
+    trust_remote_code: bool = False
 
 
 class TurnError(Exception):
@@ -89,6 +94,7 @@ class Regenerator:
         self.cut_turns = 0
         self.eot_ids: list[int] = list(o.eot_ids or [])
         self.lock = threading.Lock()
+        self.chats: ChatSource | None = None  # --target-model: the conversations, re-rendered turn by turn
 
     # --- one sample -----------------------------------------------------------------------------------
     def generate(self, prompt: list[int]) -> tuple[list[int], bool]:
@@ -173,6 +179,8 @@ class Regenerator:
                            **({"run": os.environ[RUN_ENV]} if os.environ.get(RUN_ENV) else {}),
                            "stage": "regenerate", "max_new_tokens": o.max_new_tokens, "temperature": o.temperature})
         self._end_of_turn(data)
+        if o.target_model:
+            self.chats = ChatSource(o, say=self.say)
         try:  # after the manifest is this run's: an earlier run's figures are not shown while the server is awaited
             fetch_info(o.server, wait_s=o.server_wait_s, say=self.say)
         except BaseException:
@@ -238,7 +246,7 @@ class Regenerator:
                             count["failed"] += 1
                             continue
                         ids, sid, mask = data.read_sample(fh, idx)
-                        pending[pool.submit(self._one, idx, ids, mask or [])] = (idx, sid, len(ids), time.time())
+                        pending[pool.submit(self._one, idx, ids, mask or [], sid)] = (idx, sid, len(ids), time.time())
                     if not pending:
                         break
                     finished, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -263,9 +271,45 @@ class Regenerator:
             finally:
                 fh.close()
 
-    def _one(self, idx: int, ids: list[int], mask: list[int]) -> dict:
-        new_ids, new_mask = self.regenerate(ids, mask)
+    def _one(self, idx: int, ids: list[int], mask: list[int], sid: str | None = None) -> dict:
+        if self.chats is not None:
+            new_ids, new_mask = self.regenerate_chat(sid if sid is not None else f"line-{idx + 1}")
+        else:
+            new_ids, new_mask = self.regenerate(ids, mask)
         return {"input_ids": new_ids, "loss_mask": new_mask}
+
+    def regenerate_chat(self, sid: str) -> tuple[list[int], list[int]]:
+        """A conversation answered again turn by turn as serving sees it: for each assistant turn, the history —
+        the earlier turns with the target's own answers — rendered through the chat template (a template that
+        drops earlier reasoning drops it here too), its generation prompt, then `/generate`; the whole conversation
+        is prepared once more at the end, so its tokens and mask are the template's. An answer cut at
+        --max-new-tokens ends the conversation before it (never trained as a finished turn)."""
+        chats = self.chats
+        turns, tools = chats.conversation(sid)
+        done: list[dict] = []
+        for turn in turns:
+            if turn["role"] != "assistant":
+                done.append(turn)
+                continue
+            with chats.lock:
+                prompt = chats.tok(chats.renderer.render(done, generation_prompt=True, tools=tools),
+                                   add_special_tokens=False)["input_ids"]
+            answer, stopped = self.generate(list(prompt))
+            if not stopped:
+                with self.lock:
+                    self.cut_turns += 1
+                break
+            with chats.lock:
+                text = chats.tok.decode([t for t in answer if t not in self.eot_ids], skip_special_tokens=False)
+            done.append({**_answered(text), **{k: v for k, v in turn.items() if k == "tool_calls"}})
+        if not any(t["role"] == "assistant" for t in done):
+            raise TurnError("the first answer reached --max-new-tokens: nothing finished to train on")
+        try:
+            with chats.lock:
+                p = chats.renderer.prepare(done, max_length=chats.max_length, tools=tools)
+        except LineError as exc:
+            raise TurnError(f"the regenerated conversation cannot be prepared: {exc}") from None
+        return p.input_ids, p.loss_mask
 
     def _write_line(self, idx: int, obj: dict) -> None:
         path = lines_dir(self.o.out) / f"{idx}.json"
@@ -312,6 +356,68 @@ class Regenerator:
         self.say(f"wrote {self.o.out}: {s['done']:,} conversations, {tokens:,} tokens; {s['failed']:,} failed"
                  + (f" (reasons in {parts_dir(self.o.out) / 'manifest.sqlite'})" if s["failed"] else "") + cut)
         return 0  # every conversation has its row: whether the failed ones are few enough is completion's call
+
+
+THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.S)
+
+
+def _answered(text: str) -> dict:
+    """The target's answer as an assistant message: a leading <think>…</think> as its reasoning_content (the
+    template renders it back where it keeps reasoning), the rest as its content."""
+    m = THINK.match(text)
+    if m:
+        return {"role": "assistant", "content": text[m.end():], "reasoning_content": m.group(1).strip("\n")}
+    return {"role": "assistant", "content": text}
+
+
+class ChatSource:
+    """The conversations `eagle3 prepare` rendered (the chat file its sidecar names), by id, with the target's
+    tokenizer and chat template: what `regenerate --target-model` re-renders turn by turn."""
+
+    def __init__(self, o: Options, *, say) -> None:
+        meta = read_meta(o.data) or {}
+        if not meta.get("source"):
+            raise UserError(f"--target-model: {o.data} has no OUT.meta.json from eagle3 prepare naming its chat file; "
+                            "prepare it with eagle3 prepare, or regenerate without --target-model (on tokens)")
+        self.path, self.fmt = Path(meta["source"]), meta.get("format") or "auto"
+        self.system, self.max_length = meta.get("system"), meta.get("max_length")
+        self.reasoning = not str(meta.get("reasoning", "")).startswith("dropped")
+        if not self.path.is_file():
+            raise UserError(f"--target-model: the chat file {self.path} that {o.data} was prepared from is gone")
+        self.tok = load_tokenizer(o.target_model, trust_remote_code=o.trust_remote_code)
+        self.renderer = Renderer(self.tok)
+        self.lock = threading.Lock()  # one tokenizer, many request threads
+        self.offsets: dict[str, int] = {}
+        with open(self.path, "rb") as fh:
+            n, at = 0, 0
+            for raw in fh:
+                n += 1
+                if raw.strip():
+                    try:
+                        sid = json.loads(raw).get("id", f"line-{n}")
+                    except (ValueError, AttributeError):
+                        sid = None
+                    if sid is not None:
+                        self.offsets.setdefault(str(sid), at)
+                at += len(raw)
+        say(f"re-rendering each turn's history through the chat template of {o.target_model} "
+            f"({len(self.offsets):,} conversations in {self.path.name})")
+
+    def conversation(self, sid: str) -> tuple[list[dict], list | None]:
+        """The conversation's turns (as prepare read them) and its tools."""
+        at = self.offsets.get(sid)
+        if at is None:
+            raise TurnError(f"conversation {sid} is not in {self.path} (edited since it was prepared?)")
+        with open(self.path, "rb") as fh:
+            fh.seek(at)
+            obj = json.loads(fh.readline())
+        try:
+            turns = turns_of(obj, self.fmt, reasoning=self.reasoning)
+        except LineError as exc:
+            raise TurnError(f"conversation {sid}: {exc}") from None
+        if self.system is not None and turns[0]["role"] != "system":
+            turns = [{"role": "system", "content": self.system}, *turns]
+        return turns, obj.get("tools")
 
 
 def regenerate(o: Options, *, say=None) -> int:

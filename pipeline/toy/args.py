@@ -23,8 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--crash-after", type=int, default=0, help="exit abruptly on request N+1")
     p.add_argument("--wrong-rows-every", type=int, default=0, help="drop one row from every Nth response")
     p.add_argument("--fixed-reply", action="store_true", help="skip the model (client benchmarks)")
+    p.add_argument("--answer-tokens", type=int, default=0, metavar="N",
+                   help="end every answer with its first stop token after N tokens (a target that finishes its "
+                        "turns; 0: the model decides)")
     p.add_argument("--log-requests", metavar="FILE",
-                   help="append each /generate request's sampling_params and prompt length to FILE as a JSON line")
+                   help="append each /generate request's sampling_params and input_ids to FILE as a JSON line")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--aux-layer-ids", type=lambda v: [int(x) for x in v.split(",")], metavar="A,B,C",
                    help="as SGLang's --return-aux-hidden-state-layer-ids: captured as Llama does (the inputs of layers "

@@ -94,6 +94,8 @@ class ToyState:
                     tok = self.rng.choices(range(len(weights)), weights=weights)[0]
                 else:
                     tok = int(cur_logits.argmax())
+                if self.opts.answer_tokens and step + 1 >= self.opts.answer_tokens and stop_ids:
+                    tok = min(stop_ids)  # --answer-tokens: a target that ends its answers (tests of multi-turn)
                 out_ids.append(tok)
                 if tok in stop_ids:  # SGLang keeps the matched stop token in output_ids
                     finish = {"type": "stop", "matched": tok}
@@ -187,7 +189,7 @@ def make_handler(state: ToyState):
                 if getattr(o, "log_requests", None):  # what a client sent, for tests that check it
                     with open(o.log_requests, "a") as log:
                         log.write(json.dumps({"sampling_params": req.get("sampling_params"),
-                                              "prompt_tokens": len(req.get("input_ids") or [])}) + "\n")
+                                              "input_ids": req.get("input_ids")}) + "\n")
                 state.requests_total += 1
                 state.generate_count += 1
                 n = state.generate_count

@@ -188,3 +188,55 @@ def test_a_cut_turn_is_answered_again_in_full_and_only_the_templates_end_of_turn
             # the target's own end of turn (trained), or one closing an answer cut at --max-new-tokens (not)
             assert ids[end - 1] in eot or (end < len(ids) and ids[end] in eot and mask[end] == 0), row["id"]
     assert read_meta(tmp_path / "out.jsonl")["end_of_turn_ids"] == eot
+
+
+def test_with_the_target_model_each_turns_history_is_rendered_through_the_template_as_serving_does(tmp_path):
+    """Issue 51: `regenerate --target-model` sends, for every assistant turn, the chat template's rendering of the
+    history — the earlier turns with the target's own answers — and its generation prompt (what SGLang's chat
+    endpoint would build), checked request by request against the template rendered here; the written
+    conversation is the template's tokens, trained on the target's answers only."""
+    from pipeline.prepare import Renderer, load_tokenizer, prepare
+    from pipeline.regenerate import assistant_runs
+    from pipeline.toy.demo_workspace import write_chat
+    from pipeline.toy.model import export_target
+    from tests.toy import ToyServer
+
+    export_target(tmp_path / "target")
+    write_chat(tmp_path / "chat.jsonl", 6)
+    data = tmp_path / "data.jsonl"
+    prepare(target_model=str(tmp_path / "target"), data=tmp_path / "chat.jsonl", out=data, say=lambda m: None)
+    log = tmp_path / "requests.jsonl"
+    server = ToyServer("--log-requests", str(log), "--answer-tokens", "10")  # answers that end, so turns follow
+    try:
+        res = eagle3("regenerate", "--server", server.url, "--data", str(data), "--out", str(tmp_path / "out.jsonl"),
+                     "--target-model", str(tmp_path / "target"), "--temperature", "0.8", "--max-new-tokens", "24",
+                     "--concurrency", "1", timeout=120)
+    finally:
+        server.stop()
+    assert res.returncode == 0, res.stderr
+    assert "re-rendering each turn's history through the chat template" in res.stderr
+    tok = load_tokenizer(str(tmp_path / "target"), trust_remote_code=False)
+    renderer = Renderer(tok)
+    sent = [json.loads(x)["input_ids"] for x in log.read_text().splitlines()]
+    chats = [json.loads(x) for x in (tmp_path / "chat.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(sent) == sum(sum(t["from"] == "gpt" for t in c["conversations"]) for c in chats)  # one a turn
+    k = 0
+    for chat, row in zip(chats, rows, strict=True):  # concurrency 1: requests in conversation order
+        roles = {"system": "system", "human": "user", "gpt": "assistant"}
+        turns = [{"role": roles[t["from"]], "content": t["value"]} for t in chat["conversations"]]
+        answers = []  # the target's answers, read back out of the written conversation's trained runs
+        for start, end in assistant_runs(row["loss_mask"]):
+            answers.append(tok.decode(row["input_ids"][start:end - 1], skip_special_tokens=False))
+        history = []
+        for turn in turns:
+            if turn["role"] != "assistant":
+                history.append(turn)
+                continue
+            expected = tok(renderer.render(history, generation_prompt=True), add_special_tokens=False)["input_ids"]
+            assert sent[k] == list(expected), (chat["id"], k)
+            history.append({"role": "assistant", "content": answers[len([h for h in history
+                                                                         if h["role"] == "assistant"])]})
+            k += 1
+        again = renderer.prepare(history, max_length=None)
+        assert row["input_ids"] == again.input_ids and row["loss_mask"] == again.loss_mask

@@ -322,3 +322,51 @@ def test_tool_turn_shapes_are_checked_with_one_line_each():
         turns_of({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": 1}]}]}, "auto")
     with pytest.raises(LineError, match="turn 2: 'content' is not text"):
         turns_of({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}, "auto")
+
+
+def test_chat_regeneration_drops_earlier_reasoning_where_the_template_does_as_serving_would(tmp_path):
+    """Issue 51: `regenerate --target-model` builds each turn's prompt by rendering the history through the template.
+    On a Qwen3-style thinking template the first answer's reasoning is gone from the second turn's prompt — the
+    context serving gives the model — where sending the earlier turns back as generated tokens would keep it."""
+    import threading
+
+    from pipeline.regenerate import Options, Regenerator
+
+    tok = load_tokenizer(str(tokenizer_dir(tmp_path, QWEN3_THINKING)), trust_remote_code=False)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    answers = iter(["<think>\nfirst thoughts\n</think>\n\n4", "<think>\nadd again\n</think>\n\n6"])
+    prompts = []
+
+    class Chats:
+        lock = threading.Lock()
+        max_length = None
+
+        def __init__(self):
+            self.tok, self.renderer = tok, Renderer(tok)
+
+        def conversation(self, sid):
+            return [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "old 4"},
+                    {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": "old 6"}], None
+
+    r = Regenerator(Options(server="http://127.0.0.1:1", data=tmp_path / "d.jsonl", out=tmp_path / "o.jsonl"),
+                    say=lambda m: None)
+    r.chats, r.eot_ids = Chats(), [end]
+
+    def text(ids):  # the character tokenizer's tokens joined (its decode puts spaces between them)
+        return "".join(tok.convert_ids_to_tokens(list(ids)))
+
+    tok_decode = tok.decode
+    tok.decode = lambda ids, **_: text(ids)  # what regenerate decodes an answer with, without the spaces
+
+    def generate(prompt):
+        prompts.append(text(prompt))
+        return tok(next(answers) + "<|im_end|>", add_special_tokens=False)["input_ids"], True
+
+    r.generate = generate
+    ids, mask = r.regenerate_chat("c1")
+    assert prompts[0] == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert "first thoughts" not in prompts[1] and prompts[1].endswith(
+        "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nand 3+3?<|im_end|>\n<|im_start|>assistant\n"), prompts[1]
+    tok.decode = tok_decode
+    trained = text(t for t, m in zip(ids, mask, strict=True) if m)
+    assert trained == "4<|im_end|><think>\nadd again\n</think>\n\n6<|im_end|>", trained  # the answers, the last's reasoning
