@@ -230,6 +230,17 @@ def cmd_logs(args) -> int:
     return 0
 
 
+@command("why", "where a stage is: its processes' Python stacks (py-spy), the server's own view, its log's end",
+         example="eagle3 why extract",
+         args=(arg("stage", choices=STAGE_NAMES),))
+def cmd_why(args) -> int:
+    with _controller(args) as ctl:
+        ev, path = ctl.why(args.stage)
+    print(ev.text())
+    print(f"kept in {path}")
+    return 0
+
+
 @command("run-stage", "internal: the detached runner that owns one stage process",
          example="(started by `eagle3 start`, not by hand)",
          args=(arg("--stage", required=True, choices=STAGE_NAMES),

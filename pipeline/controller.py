@@ -11,6 +11,7 @@ from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import CANCELLABLE, Handoff, handoff_state
+from pipeline.observe import forensics
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
 from pipeline.states import MAYBE_ALIVE_STATES, StageProc, StageState
@@ -408,6 +409,15 @@ class Controller:
         """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""
         handoff = handoff_state(self.store) or {}
         return f"{self.store.current_run()}:{handoff.get('step', 'off')}"
+
+    def why(self, stage: str):
+        """"Why is it stuck?": the stage's processes' stacks, the server's own view and the log's end, gathered now
+        and kept under STATE_DIR/forensics/ (pipeline/observe/forensics.py); returns (the evidence, its file)."""
+        self._check_stage(stage)
+        proc = self.store.latest_proc(stage)
+        run = proc.run_id if proc else None
+        ev = forensics.gather(self.ws.for_run(run), self.store, stage)
+        return ev, forensics.keep(self.ws, ev, run)
 
     def logs(self, stage: str, *, lines: int = 50) -> tuple[Path, list[str]]:
         """The last lines of a stage's log."""

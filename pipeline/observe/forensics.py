@@ -1,0 +1,191 @@
+""""Why is it stuck?": evidence gathered from a stage's own processes at the moment it is asked for (issue 52).
+
+- the Python stacks of every process of the stage's process group (every rank of a torchrun included), from
+  `py-spy dump` — a real binary, no ptrace code of our own — run in parallel, each bounded in time; where py-spy is
+  missing or has no permission, one line says why, and the rest is still gathered;
+- for a server stage, its own view: `/get_load` where it has one, and the queue and running requests from
+  `/metrics`;
+- the last 40 lines of the stage's log.
+
+The whole is bounded (GATHER_BUDGET_S) and written under STATE_DIR/forensics/<run>/<time>-<stage>/evidence.txt;
+`eagle3 why STAGE` prints it. It never raises: what could not be read is a line saying why.
+
+Not yet (issue 52): the collective each rank waits in (PyTorch's flight recorder), the extraction client's
+requests in flight, a summary in the alert's thread with the evidence uploaded, and a Show stacks button.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from pipeline.config import Workspace
+from pipeline.observe.probes.process import group_processes
+from pipeline.stages.logfile import tail_lines
+from pipeline.store import Store
+
+GATHER_BUDGET_S = 20.0  # all of it, py-spy included
+LOG_LINES = 40
+PYSPY_TIMEOUT_S = 10.0  # one process's dump
+MAX_PROCESSES = 16  # stacks of at most this many processes (a torchrun of 8 ranks and their workers)
+
+
+@dataclass
+class Evidence:
+    """What was gathered, as sections of text, and a one-line summary."""
+
+    stage: str
+    t: float
+    summary: list[str] = field(default_factory=list)
+    sections: list[tuple[str, str]] = field(default_factory=list)
+
+    def text(self) -> str:
+        head = [f"eagle3 why {self.stage} — gathered {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(self.t))}",
+                *self.summary, ""]
+        body = [f"=== {title} ===\n{text.rstrip()}\n" for title, text in self.sections]
+        return "\n".join(head + body)
+
+
+def pyspy_binary() -> str | None:
+    """py-spy beside this interpreter (the venv's bin), else on PATH."""
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def _ptrace_scope() -> str:
+    try:
+        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def dump_stack(pid: int, *, binary: str | None, timeout_s: float = PYSPY_TIMEOUT_S) -> tuple[str, str | None]:
+    """(py-spy's dump of `pid`, or '', and why not when it could not be read)."""
+    if binary is None:
+        return "", "py-spy is not installed (pip install py-spy, in the service's environment)"
+    try:
+        out = subprocess.run([binary, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "", f"py-spy did not answer within {timeout_s:.0f} s"
+    except OSError as exc:
+        return "", f"py-spy could not be run ({exc})"
+    if out.returncode == 0 and out.stdout.strip():
+        return out.stdout, None
+    err = (out.stderr or out.stdout).strip().splitlines()
+    said = err[-1] if err else f"exit {out.returncode}"
+    if any(w in (out.stderr or "") for w in ("Permission denied", "Operation not permitted", "EPERM")):
+        return "", (f"no permission to read process {pid}'s stack (kernel.yama.ptrace_scope = {_ptrace_scope()}; run "
+                    "eagle3 serve as root or as the stage's user): " + said)
+    return "", f"py-spy could not read process {pid}: {said}"
+
+
+def innermost(dump: str) -> str | None:
+    """The innermost frame of the first thread of a py-spy dump ("wait_in_collective (fixture.py:12)")."""
+    lines = dump.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Thread ") and i + 1 < len(lines):
+            return lines[i + 1].strip() or None
+    return None
+
+
+def _processes(store: Store, stage: str) -> list[psutil.Process]:
+    proc = store.latest_proc(stage)
+    if proc is None or proc.pid is None or proc.has_ended:
+        return []
+    return group_processes(proc.pgid, proc.create_time or 0)[:MAX_PROCESSES]
+
+
+def _python(p: psutil.Process) -> bool:
+    try:
+        return "python" in os.path.basename((p.cmdline() or [""])[0]) or "python" in p.name()
+    except (psutil.Error, IndexError):
+        return False
+
+
+def _server_view(ws: Workspace, stage: str, timeout_s: float) -> str | None:
+    """The SGLang server's own view of its load, where the stage is the server (or the extraction it serves)."""
+    url = ws.config.stages.server.url
+    if stage not in ("server", "extract", "regenerate") or not url or not ws.config.stages.server.argv:
+        return None  # no server stage in this workspace: nothing of ours to ask
+    import httpx
+
+    from pipeline.observe.probes.server import parse_metrics
+
+    lines = []
+    try:
+        with httpx.Client(timeout=timeout_s) as client:
+            for path in ("/get_load", "/health"):
+                try:
+                    r = client.get(f"{url.rstrip('/')}{path}")
+                    lines.append(f"GET {path}: HTTP {r.status_code} {r.text.strip()[:300]}")
+                except httpx.HTTPError as exc:
+                    lines.append(f"GET {path}: no answer ({type(exc).__name__})")
+            try:
+                r = client.get(f"{url.rstrip('/')}/metrics")
+                m = parse_metrics(r.text) if r.status_code == 200 else {}
+                shown = {k: v for k, v in m.items() if any(w in k for w in ("running", "queue", "waiting"))}
+                lines.append("metrics: " + (", ".join(f"{k} {v:g}" for k, v in sorted(shown.items()))
+                                            or f"none about the queue (HTTP {r.status_code})"))
+            except (httpx.HTTPError, ValueError) as exc:
+                lines.append(f"GET /metrics: no answer ({type(exc).__name__})")
+    except Exception as exc:  # noqa: BLE001 - a probe never raises
+        lines.append(f"the server could not be asked ({type(exc).__name__}: {exc})")
+    return "\n".join(lines)
+
+
+def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_BUDGET_S,
+           clock=time.time) -> Evidence:
+    """Everything this module gathers about `stage`, now, within `budget_s`."""
+    started = time.monotonic()
+    ev = Evidence(stage=stage, t=clock())
+    procs = _processes(store, stage)
+    binary = pyspy_binary()
+    if not procs:
+        ev.summary.append(f"{stage}: no live process to read (not started, or ended)")
+    listing = []
+    for p in procs:
+        try:
+            listing.append(f"pid {p.pid} {p.status():<9} {' '.join(p.cmdline())[:200]}")
+        except psutil.Error as exc:
+            listing.append(f"pid {p.pid}: {type(exc).__name__}")
+    if listing:
+        ev.sections.append((f"{len(procs)} process(es) of {stage}", "\n".join(listing)))
+    pythons = [p for p in procs if _python(p)]
+    left = max(1.0, budget_s - (time.monotonic() - started))
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(pythons)))) as pool:
+        dumps = list(pool.map(lambda p: (p.pid, *dump_stack(p.pid, binary=binary, timeout_s=min(PYSPY_TIMEOUT_S, left))),
+                              pythons))
+    reasons = sorted({why for _, _, why in dumps if why})
+    where = [f"pid {pid} in {innermost(text)}" for pid, text, _ in dumps if text and innermost(text)]
+    if where:
+        ev.summary.append(f"{stage}: " + "; ".join(where[:8]) + ("; …" if len(where) > 8 else ""))
+    for why in reasons:
+        ev.summary.append(f"stacks: {why}")
+    for pid, text, why in dumps:
+        ev.sections.append((f"stack of pid {pid} (py-spy dump)", text or why or "empty"))
+    left = max(1.0, budget_s - (time.monotonic() - started))
+    server = _server_view(ws, stage, timeout_s=min(5.0, left))
+    if server:
+        ev.sections.append(("the SGLang server's own view", server))
+    log = ws.log_path(stage)
+    tail = tail_lines(log, LOG_LINES)
+    ev.sections.append((f"the last {LOG_LINES} lines of {log}", "\n".join(tail) if tail else "(empty or missing)"))
+    return ev
+
+
+def keep(ws: Workspace, ev: Evidence, run: str | None) -> Path:
+    """Write the evidence under STATE_DIR/forensics/<run>/<time>-<stage>/evidence.txt; returns the file."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(ev.t))
+    directory = ws.state_dir / "forensics" / (run or "no-run") / f"{stamp}-{ev.stage}"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "evidence.txt"
+    path.write_text(ev.text())
+    return path

@@ -1,0 +1,57 @@
+""""Why is it stuck?" (issue 52, in part): `eagle3 why STAGE` over a real stage process and the real py-spy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import eagle3, fixture_argv, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def stage_cfg(tmp_path):
+    cfg = tmp_path / "eagle3.toml"
+    cfg.write_text(f'[stages.extract]\nout = "out"\nargv = {json.dumps(fixture_argv("waits_in.py"))}\n')
+    return cfg
+
+
+def test_why_names_the_frame_each_process_waits_in_and_keeps_the_evidence(tmp_path):
+    cfg = stage_cfg(tmp_path)
+    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+    try:
+        log = tmp_path / ".eagle3" / "logs" / "extract.log"
+        wait_for(lambda: log.exists() and "waiting in the collective" in log.read_text(), timeout=30,
+                 what="the stage to reach its wait")
+        out = eagle3("why", "extract", "--config", str(cfg), timeout=60)
+    finally:
+        eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "extract: pid " in text and "in wait_in_collective (waits_in.py:" in text, text  # py-spy's own frame
+    assert "=== stack of pid " in text and "wait_in_collective" in text
+    assert "joined the group; waiting in the collective" in text  # the log's end
+    kept = text.strip().splitlines()[-1].removeprefix("kept in ")
+    assert "forensics" in kept and open(kept).read().startswith("eagle3 why extract")
+
+
+def test_without_py_spy_one_line_says_why_and_the_rest_is_gathered(tmp_path, monkeypatch):
+    from pipeline.config import load_workspace
+    from pipeline.controller import Controller
+    from pipeline.observe import forensics
+
+    cfg = stage_cfg(tmp_path)
+    ctl = Controller(workspace=load_workspace(cfg))
+    try:
+        ctl.start("extract")
+        log = tmp_path / ".eagle3" / "logs" / "extract.log"
+        wait_for(lambda: log.exists() and "waiting" in log.read_text(), timeout=30, what="the stage to start")
+        monkeypatch.setattr(forensics, "pyspy_binary", lambda: None)
+        ev, path = ctl.why("extract")
+    finally:
+        ctl.stop_all(grace_s=1)
+        ctl.close()
+    assert "stacks: py-spy is not installed (pip install py-spy, in the service's environment)" in ev.summary
+    text = ev.text()
+    assert "process(es) of extract" in text and "joined the group" in text and path.exists()
