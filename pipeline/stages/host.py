@@ -68,6 +68,35 @@ def started(pid: int, like: float, *, wall: float | None = None) -> float | None
         return None
 
 
+def stage_processes(pgid: int, since: float) -> list[tuple[psutil.Process, str, float]]:
+    """(process, name, start) of every live process of a stage, created at or after `since`: those in process
+    group or session `pgid` — the session because a child that calls setpgid (as some launchers' workers do)
+    leaves the group but not the session — and their descendants, because others start their workers in new
+    sessions (torchrun's ranks: `start_new_session=True`), out of both, while their launcher waits on them."""
+    live: dict[int, tuple[psutil.Process, str, float, int]] = {}
+    for proc in psutil.process_iter(["pid", "ppid", "name", "create_time", "status"]):
+        info = proc.info
+        start = started(info["pid"], since, wall=info["create_time"])
+        if info["status"] == psutil.STATUS_ZOMBIE or start is None or start < since - CREATE_TIME_TOLERANCE_S:
+            continue
+        live[info["pid"]] = (proc, info["name"], start, info["ppid"])
+    ours: set[int] = set()
+    for pid in live:
+        try:
+            if os.getpgid(pid) == pgid or os.getsid(pid) == pgid:
+                ours.add(pid)
+        except OSError:
+            continue
+    grew = True
+    while grew:  # descendants (each started after the stage, so never a recycled pid's)
+        grew = False
+        for pid, (_, _, _, ppid) in live.items():
+            if pid not in ours and ppid in ours:
+                ours.add(pid)
+                grew = True
+    return [(live[pid][0], live[pid][1], live[pid][2]) for pid in sorted(ours)]
+
+
 @dataclass(frozen=True)
 class Member:
     """A live process belonging to a stage's process group or session."""
@@ -105,24 +134,8 @@ class RealHost:
         return start_time(pid)
 
     def members(self, pgid: int, since: float) -> list[Member]:
-        """Live processes in process group or session `pgid`, created at or after `since`.
-
-        The session is included because a child that calls setpgid (as some
-        launchers' workers do) leaves the group but not the session.
-        """
-        found = []
-        for proc in psutil.process_iter(["pid", "name", "create_time", "status"]):
-            info = proc.info
-            start = started(info["pid"], since, wall=info["create_time"])
-            if info["status"] == psutil.STATUS_ZOMBIE or start is None or start < since - CREATE_TIME_TOLERANCE_S:
-                continue
-            try:
-                if os.getpgid(info["pid"]) != pgid and os.getsid(info["pid"]) != pgid:
-                    continue
-            except OSError:
-                continue
-            found.append(Member(info["pid"], info["name"] or "?", start))
-        return found
+        """Live processes of the stage whose group is `pgid` (`stage_processes`), created at or after `since`."""
+        return [Member(p.pid, name or "?", start) for p, name, start in stage_processes(pgid, since)]
 
     def kill(self, pid: int, sig: int, *, group: bool) -> None:
         """Send `sig` to a process or a process group; a vanished target is not an error."""

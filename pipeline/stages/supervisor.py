@@ -165,24 +165,36 @@ class Supervisor:
         if self.host.identity(proc.pid, proc.create_time) == "reused":
             result.note = f"pid {proc.pid} now belongs to another process; nothing was signalled"
         elif proc.pid is not None:
-            pgid = proc.pgid
-            self._signal_all(pgid, proc.create_time, SIGTERM)
-            if not self._wait_empty(pgid, proc.create_time, grace_s):
+            pgid, since = proc.pgid, proc.create_time
+            # who is the stage as the stop begins: a worker in a session of its own (torchrun's ranks) is the stage's
+            # only through its launcher, and stays to be waited for and killed once that launcher is gone
+            known = self.host.members(pgid, since)
+            self._signal_all(pgid, since, SIGTERM, known)
+            if not self._wait_empty(pgid, since, grace_s, known):
                 result.escalated = True
-                self._signal_all(pgid, proc.create_time, SIGKILL)
-                self._wait_empty(pgid, proc.create_time, KILL_WAIT_S)
-            result.survivors = self.host.members(pgid, proc.create_time)
+                self._signal_all(pgid, since, SIGKILL, known)
+                self._wait_empty(pgid, since, KILL_WAIT_S, known)
+            result.survivors = self._left(pgid, since, known)
         self._await_exit_record(proc)
         return result
 
-    def _signal_all(self, pgid: int, since: float, sig: int) -> None:
+    def _left(self, pgid: int, since: float, known: list) -> list:
+        """The stage's processes now, with those `known` at the stop's start that still live (an orphaned worker
+        leaves the group and session with its launcher's death)."""
+        now = {m.pid: m for m in self.host.members(pgid, since)}
+        for m in known:
+            if m.pid not in now and self.host.identity(m.pid, m.create_time) == "alive":
+                now[m.pid] = m
+        return list(now.values())
+
+    def _signal_all(self, pgid: int, since: float, sig: int, known: list = ()) -> None:
         self.host.kill(pgid, sig, group=True)
-        for member in self.host.members(pgid, since):  # session members outside the group
+        for member in self._left(pgid, since, list(known)):  # session members, descendants outside the group
             self.host.kill(member.pid, sig, group=False)
 
-    def _wait_empty(self, pgid: int, since: float, timeout_s: float) -> bool:
+    def _wait_empty(self, pgid: int, since: float, timeout_s: float, known: list = ()) -> bool:
         deadline = self.host.clock() + timeout_s
-        while self.host.members(pgid, since):
+        while self._left(pgid, since, list(known)):
             if self.host.clock() >= deadline:
                 return False
             self.host.sleep(0.1)

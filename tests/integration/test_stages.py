@@ -242,3 +242,27 @@ def test_train_is_guarded_but_force_supervises_it_like_any_stage(make_workspace)
     st = wait_for(lambda: (s := stage_state(cfg, "train"))["state"] == "exited" and s, what="train to exit")
     assert st["exit_code"] == 3
     assert status(cfg)["run"] == st["run"], "a failed training keeps its run open: a restart resumes in it"
+
+
+def test_a_launchers_worker_in_a_session_of_its_own_is_the_stages_and_is_stopped(make_workspace, cleanup):
+    """torchrun starts its ranks with start_new_session=True: out of the stage's group and session. They are the
+    stage's still — counted by the probes, read by `eagle3 why`, and stopped: a rank that ignores SIGTERM gets the
+    escalation's SIGKILL instead of outliving its killed launcher with the GPUs."""
+    import psutil
+
+    from pipeline.stages.host import stage_processes
+
+    cfg = make_workspace({"extract": fixture_argv("new_session_worker.py")})
+    assert eagle3("start", "extract", "--config", str(cfg)).returncode == 0
+    ctl = Controller(workspace=load_workspace(cfg))
+    proc = ctl.store.latest_proc("extract")
+    cleanup.append(proc.pgid)
+    log = Path(proc.log)
+    wait_for(lambda: log.exists() and "ignoring SIGTERM" in log.read_text(), what="the worker to ignore SIGTERM")
+    worker = int(log.read_text().split("worker pid ", 1)[1].split()[0])
+    assert os.getsid(worker) != proc.pgid and worker in [p.pid for p, _, _ in stage_processes(proc.pgid,
+                                                                                             proc.create_time)]
+    result = ctl.stop("extract", grace_s=1)
+    ctl.close()
+    assert result.escalated and not result.survivors
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE

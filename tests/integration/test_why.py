@@ -55,3 +55,26 @@ def test_without_py_spy_one_line_says_why_and_the_rest_is_gathered(tmp_path, mon
     assert "stacks: py-spy is not installed (pip install py-spy, in the service's environment)" in ev.summary
     text = ev.text()
     assert "process(es) of extract" in text and "joined the group" in text and path.exists()
+
+
+def test_a_stuck_collective_shows_the_waiting_ranks_all_reduce_and_the_sleeping_ranks_frame(tmp_path):
+    """A 2-rank gloo torchrun: rank 1 never reaches the all_reduce rank 0 waits in; `eagle3 why train` names
+    both frames from py-spy's real output (the launcher, a Python process too, shows its own wait)."""
+    import sys
+
+    cfg = tmp_path / "eagle3.toml"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(fixture_argv("collective.py")[-1])]
+    cfg.write_text(f'[stages.train]\nout = "ckpt"\nargv = {json.dumps(argv)}\n'
+                   'env = { MASTER_ADDR = "127.0.0.1", GLOO_SOCKET_IFNAME = "lo", OMP_NUM_THREADS = "1" }\n')
+    assert eagle3("start", "train", "--force", "--config", str(cfg)).returncode == 0
+    try:
+        log = tmp_path / ".eagle3" / "logs" / "train.log"
+        wait_for(lambda: log.exists() and log.read_text().count("ready") >= 2, timeout=60,
+                 what="both ranks to join the group")
+        out = eagle3("why", "train", "--config", str(cfg), timeout=60)
+    finally:
+        eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    summary = out.stdout.split("\n\n", 1)[0]
+    assert "in all_reduce (" in summary and "in slow_rank (collective.py:" in summary, summary

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -10,25 +9,15 @@ from pathlib import Path
 import psutil
 
 from pipeline.observe.probes import Reading, known, unknown
-from pipeline.stages.host import started
+from pipeline.stages.host import stage_processes
 from pipeline.stages.logfile import tail_lines
 from pipeline.states import StageState
 
 
 def group_processes(pgid: int, since: float) -> list[psutil.Process]:
-    """Processes in the stage's process group or session, created at or after `since`."""
-    found = []
-    for proc in psutil.process_iter(["pid", "create_time"]):
-        try:
-            start = started(proc.info["pid"], since, wall=proc.info["create_time"])
-            if start is None or start < since - 0.001:
-                continue
-            pid = proc.info["pid"]
-            if os.getpgid(pid) == pgid or os.getsid(pid) == pgid:
-                found.append(proc)
-        except (OSError, psutil.Error):
-            continue
-    return found
+    """The stage's processes: its group, its session and their descendants (torchrun's ranks, in sessions of their
+    own), created at or after `since` (pipeline/stages/host.stage_processes)."""
+    return [p for p, _, _ in stage_processes(pgid, since)]
 
 
 FAILURE_TAIL_LINES = 200
