@@ -237,7 +237,7 @@ def cmd_why(args) -> int:
     with _controller(args) as ctl:
         ev, path = ctl.why(args.stage)
     print(ev.text())
-    print(f"kept in {path}")
+    print(f"kept in {path}" if isinstance(path, Path) else path)
     return 0
 
 

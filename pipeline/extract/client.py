@@ -103,6 +103,15 @@ class _Work:
     workers: list[ParseWorker] = field(default_factory=list)  # the parse worker processes
 
 
+def _manifest_error(what: str, out: Path, exc: sqlite3.Error) -> DiskError:
+    """The one-line error for a manifest write that failed; a full disk is named as the file writes name it."""
+    said = str(exc)
+    if "disk is full" in said or "disk I/O" in said:
+        said = f"No space left on device (sqlite: {said})"
+    return DiskError(f"{what} in {out / 'manifest.sqlite'}: {said}; free space or fix permissions, then run the same "
+                     "command to resume")
+
+
 class Extractor:
     """One extraction run over a dataset."""
 
@@ -253,7 +262,10 @@ class Extractor:
                 w.close()
             if self.work.workers:
                 self._drop_uncounted()
-        manifest.set_meta({"inflight_bytes": 0})
+        try:
+            manifest.set_meta({"inflight_bytes": 0})
+        except sqlite3.Error as exc:  # a full disk: the run's own error says so, not this bookkeeping's
+            self.fatal = self.fatal or _manifest_error("cannot update the manifest", self.o.out, exc)
         manifest.close()
         self.work.progress.final()
         try:
@@ -523,13 +535,15 @@ class Extractor:
         except sqlite3.Error as exc:
             if status == "done":  # a file the manifest cannot count must not stay to be mistaken for one
                 sample_path(self.o.out, job.idx).unlink(missing_ok=True)
-            self.fatal = DiskError(f"cannot record sample {job.idx} in {self.o.out / 'manifest.sqlite'}: {exc}; "
-                                   "free space or fix permissions, then run the same command to resume")
+            self.fatal = self.fatal or _manifest_error(f"cannot record sample {job.idx}", self.o.out, exc)
             return
         self.unrecorded.discard(job.idx)
         if status == "done" and self.width and not self.hidden_recorded:
-            self.work.manifest.set_meta({"hidden_size": self.width // self.work.plan.layers})
-            self.hidden_recorded = True
+            try:
+                self.work.manifest.set_meta({"hidden_size": self.width // self.work.plan.layers})
+                self.hidden_recorded = True
+            except sqlite3.Error as exc:  # tried again with the next sample; a full disk ends the run, named
+                self.fatal = self.fatal or _manifest_error("cannot record the hidden size", self.o.out, exc)
         self.work.remaining -= 1
         self.work.progress.add(ok=status == "done", tokens=tokens or 0,
                           latency_s=job.latency_s if status == "done" else None)

@@ -181,11 +181,15 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
     return ev
 
 
-def keep(ws: Workspace, ev: Evidence, run: str | None) -> Path:
-    """Write the evidence under STATE_DIR/forensics/<run>/<time>-<stage>/evidence.txt; returns the file."""
+def keep(ws: Workspace, ev: Evidence, run: str | None) -> Path | str:
+    """Write the evidence under STATE_DIR/forensics/<run>/<time>-<stage>/evidence.txt; returns the file, or why it
+    could not be written (a full disk loses the copy, never the answer)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(ev.t))
     directory = ws.state_dir / "forensics" / (run or "no-run") / f"{stamp}-{ev.stage}"
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "evidence.txt"
-    path.write_text(ev.text())
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "evidence.txt"
+        path.write_text(ev.text())
+    except OSError as exc:
+        return f"not kept: {directory} is not writable ({exc.strerror or exc})"
     return path
