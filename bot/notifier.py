@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
+from pathlib import Path
 
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
@@ -68,7 +70,8 @@ class Notifier:
 
     def __init__(self, *, ws: Workspace, client: WebClient, clock=time.time, cooldown_s: float = 1800.0,
                  pace_s: float = 1.0, escalate_s: float | None = None, channel: str | None = None,
-                 key_prefix: str = "", fixable_retry_s: float = 60.0, host: str | None = None) -> None:
+                 key_prefix: str = "", fixable_retry_s: float = 60.0, host: str | None = None,
+                 gatherer=None) -> None:
         """`channel`/`key_prefix` let the console transport keep its own cursor, dedup and message ids."""
         self.ws, self.client, self.clock = ws, client, clock
         self.cooldown_s, self.pace_s = cooldown_s, pace_s
@@ -82,6 +85,9 @@ class Notifier:
         self.host = host if host is not None else socket.gethostname()  # named in what reaches the channel
         self.min_edit_s = ws.config.slack.min_edit_s
         self.status_posted: tuple[str, float] | None = None  # (signature, when) of the last status enqueued
+        # how evidence is gathered: in a thread of its own (tests: inline)
+        self.gatherer = gatherer or (lambda n, *a: threading.Thread(target=n._gather_now, args=a, daemon=True,
+                                                                       name="eagle3-forensics").start())
 
     def tick(self, store: Store) -> None:
         """Collect new events, add milestone replies, deliver what is pending."""
@@ -99,6 +105,7 @@ class Notifier:
             older = [e["id"] for e in store.events() if e["t"] < self.started_at]
             after = older[-1] if older else 0
             store.put(self.k + KV.NOTIFIER_AFTER, after)
+        gathers: list[tuple] = []  # evidence to gather once this event's transaction has committed
         for event in store.events(after_id=after):
             stage, run = event.get("stage"), event.get("run_id")
             msg = event_message(event, oncall=self.ws.config.slack.oncall_user_ids,
@@ -140,12 +147,44 @@ class Notifier:
                         store.enqueue(channel=self.channel, kind="chart", text=f"{stage}, the last hour",
                                       thread_key=f"outbox:{mid}",
                                       attachment={"chart": stage, "run": run, "since": event["t"] - STALL_CHART_S})
+                    if kind == "alert" and stage and event["data"].get("to") in ("stalled", "dead"):
+                        gathers.append((stage, run, f"outbox:{mid}", "at the stall"))
+                elif event["kind"] == "stacks-request" and stage:
+                    open_alert = store.get(self.k + KV.open_alert(stage))
+                    gathers.append((stage, run, open_alert["key"] if open_alert else (f"status:{run}" if run else None),
+                                    f"asked by {event['data'].get('by', 'someone')}"))
                 elif event["kind"] == "chart-request" and stage:
                     store.enqueue(channel=self.channel, kind="chart",
                                   text=chart_request_text(stage, event["data"].get("by", "someone")),
                                   thread_key=f"status:{run}" if run else None,
                                   attachment={"chart": stage, "run": run, "text_if_none": True})
                 store.put(self.k + KV.NOTIFIER_AFTER, event["id"])
+            for stage_, run_, key, why in gathers:  # after the transaction: the gathering writes with its own
+                self.gather(stage_, run_, thread_key=key, why=why)
+            gathers.clear()
+
+    def gather(self, stage: str, run: str | None, *, thread_key: str | None, why: str) -> None:
+        """`eagle3 why STAGE`, now, beside the monitor's tick and the delivery (its own thread and store
+        connection; up to forensics.GATHER_BUDGET_S): the evidence is kept under STATE_DIR/forensics/, and its
+        summary, with the whole as a text file, becomes a reply in `thread_key`'s thread."""
+        self.gatherer(self, stage, run, thread_key, why)
+
+    def _gather_now(self, stage: str, run: str | None, thread_key: str | None, why: str) -> None:
+        from pipeline.observe import forensics
+
+        store = Store(self.ws.store_path, check_integrity=False)
+        try:
+            ev = forensics.gather(self.ws.for_run(run), store, stage)
+            path = forensics.keep(self.ws, ev, run)
+            text = f"Evidence of {stage}, gathered {why} (`eagle3 why {stage}`):\n" + "\n".join(
+                f"• {line}" for line in ev.summary or ["nothing to report"])
+            store.enqueue(channel=self.channel, kind="forensics", text=text, thread_key=thread_key,
+                          attachment={"file": str(path), "title": f"eagle3 why {stage}"} if isinstance(path, Path)
+                          else None)
+        except Exception:  # noqa: BLE001 - evidence is a help, never a failure of the service
+            log.exception("gathering the evidence of %s failed", stage)
+        finally:
+            store.close()
 
     @staticmethod
     def _stall_ended(event: dict) -> bool:
@@ -369,8 +408,11 @@ class Notifier:
         return store.get(self.k + KV.ts(key))
 
     def _send(self, store: Store, m: dict) -> str | None:
-        if m.get("attachment"):
-            return self._send_chart(store, m, json.loads(m["attachment"]))
+        spec = json.loads(m["attachment"]) if m.get("attachment") else None
+        if spec and spec.get("file"):
+            return self._send_file(store, m, spec)
+        if spec:
+            return self._send_chart(store, m, spec)
         blocks = json.loads(m["blocks"]) or None
         existing = store.get(self.k + KV.ts(m["update_key"])) if m["update_key"] else None
         if existing:
@@ -417,6 +459,22 @@ class Notifier:
         store.put(self.k + KV.CHART_LATEST, {"file_id": file.get("id"), "stage": stage, "t": self.clock(),
                                             "path": str(png)})
         return None
+
+    def _send_file(self, store: Store, m: dict, spec: dict) -> str | None:
+        """A kept file (the evidence of `eagle3 why`) uploaded into the message's thread with its text as the
+        comment; the text alone when the file is gone or the files:write scope is missing."""
+        thread, path = self._thread_ts(store, m["thread_key"]), Path(spec["file"])
+        if path.is_file():
+            try:
+                self.client.files_upload_v2(channel=m["channel"], file=str(path), filename=path.name,
+                                            title=spec.get("title") or path.name, initial_comment=m["text"],
+                                            thread_ts=thread)
+                return None
+            except SlackApiError as exc:
+                if not isinstance(exc.response.data, dict) or exc.response.get("error") != "missing_scope":
+                    raise
+        return self.client.chat_postMessage(channel=m["channel"], text=f"{m['text']}\n(kept in `{path}`)",
+                                            thread_ts=thread).get("ts")
 
     @staticmethod
     def _prune(directory) -> None:

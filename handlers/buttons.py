@@ -8,7 +8,13 @@ import json
 import socket
 import time
 
-from handlers.render.alerts import ACTION_ACK, ACTION_LOGS, ACTION_SNOOZE, acknowledged_blocks
+from handlers.render.alerts import (
+    ACTION_ACK,
+    ACTION_LOGS,
+    ACTION_SNOOZE,
+    ACTION_STACKS,
+    acknowledged_blocks,
+)
 from handlers.render.blocks import (
     ACTION_AUTOSTART,
     ACTION_CANCEL,
@@ -83,6 +89,22 @@ def register(app, *, controller_factory, ws) -> None:
 
     for action_id in LABELS:
         app.action(action_id)(handle)
+
+    @app.action(ACTION_STACKS)
+    def show_stacks(ack, body, respond):  # read-only: gathered beside the tick, answered in the alert's thread
+        ack()
+        stage = ((body.get("actions") or [{}])[0].get("value")) or "extract"
+        user = (body.get("user") or {}).get("id", "?")
+        ctl = controller_factory()
+        try:
+            ctl.request_stacks(stage, by=f"slack:{user}")
+        except UserError as exc:
+            return respond(text=str(exc), response_type="ephemeral", replace_original=False)
+        finally:
+            ctl.close()
+        respond(text=f"gathering {stage}'s stacks, the server's view and its log's end; they come in the alert's "
+                     "thread (`eagle3 why` does the same from a shell)", response_type="ephemeral",
+                replace_original=False)
 
     @app.action(ACTION_LOGS)
     def show_logs(ack, body, respond):  # read-only: anyone in an allowed channel

@@ -4,7 +4,7 @@ an action by the words the user saw."""
 
 from __future__ import annotations
 
-from handlers.render.alerts import ACTION_ACK, ACTION_LOGS, ACTION_SNOOZE
+from handlers.render.alerts import ACTION_ACK, ACTION_LOGS, ACTION_SNOOZE, ACTION_STACKS
 from handlers.render.blocks import (
     ACTION_AUTOSTART,
     ACTION_CANCEL,
@@ -53,4 +53,4 @@ STATUS_ACTIONS = frozenset({ACTION_AUTOSTART, ACTION_CANCEL, ACTION_LATER})  # t
 
 # Buttons anyone in an allowed channel may press: reading, a reminder, "keep it running". Every other action,
 # a listener added later included, is mutating until said otherwise: a new button is refused for a stranger.
-READ_ONLY_ACTIONS = frozenset({ACTION_LATER, ACTION_LOGS, ACTION_KEEP})
+READ_ONLY_ACTIONS = frozenset({ACTION_LATER, ACTION_LOGS, ACTION_KEEP, ACTION_STACKS})

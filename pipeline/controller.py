@@ -265,6 +265,14 @@ class Controller:
         self.store.add_event(kind="chart-request", run_id=run, stage=stage, data={"by": by})
         return {"stage": stage, "run": run, "monitor_running": self.monitor_running()}
 
+    def request_stacks(self, stage: str, *, by: str = "cli") -> dict:
+        """Ask for `eagle3 why STAGE`'s evidence in the stage's alert thread (or the run's): an event the notifier
+        gathers from beside the monitor's tick (Show stacks)."""
+        self._check_stage(stage)
+        run = self.store.latest_run()
+        self.store.add_event(kind="stacks-request", run_id=run, stage=stage, data={"by": by})
+        return {"stage": stage, "run": run}
+
     def stop(self, stage: str, *, grace_s: float | None = None, by: str = "cli") -> StopResult:
         """Stop one stage (SIGTERM, grace, SIGKILL). Stopping training also cancels an auto-start
         that has not launched it yet: otherwise the handoff would launch it again."""

@@ -9,6 +9,7 @@ from handlers.render.views import ago, slack_time
 from pipeline.verdict import StoredVerdict, Verdict
 
 ACTION_LOGS, ACTION_SNOOZE, ACTION_ACK = "eagle3_show_logs", "eagle3_snooze", "eagle3_ack"
+ACTION_STACKS = "eagle3_show_stacks"
 
 
 def mention(user_ids: list[str]) -> str:
@@ -116,12 +117,13 @@ def escalation_text(stage: str, since_s: float, oncall: list[str], host: str = "
 
 
 def alert_buttons(stage: str) -> list:
-    """Acknowledge / Show logs / Snooze 1 h under an alert."""
+    """Acknowledge / Show logs / Show stacks / Snooze 1 h under an alert."""
     from slack_sdk.models.blocks import ActionsBlock, ButtonElement
 
     return [ActionsBlock(elements=[
         ButtonElement(text="Acknowledge", action_id=ACTION_ACK, value=stage, style="primary"),
         ButtonElement(text="Show logs", action_id=ACTION_LOGS, value=stage),
+        ButtonElement(text="Show stacks", action_id=ACTION_STACKS, value=stage),
         ButtonElement(text="Snooze 1 h", action_id=ACTION_SNOOZE, value=stage)]).to_dict()]
 
 

@@ -266,7 +266,7 @@ def test_console_transport_prints_blocks_as_text_with_its_own_cursor(env, capsys
     slack.tick(store)
     out = capsys.readouterr().out
     assert "*extract is stalled* on `" in out and "\n    • no progress for 3m10s\n    • CPU time flat" in out
-    assert "[ Show logs ]  [ Snooze 1 h ]" in out
+    assert "[ Show logs ]  [ Show stacks ]  [ Snooze 1 h ]" in out
     assert len(env["fake"].of("chat.postMessage")) == 1, "the console's dedup does not swallow Slack's alert"
 
 
@@ -691,3 +691,29 @@ def test_the_datas_template_preview_goes_once_into_the_runs_thread_as_its_first_
     finally:
         store.close()
         fake.close()
+
+
+def test_a_stall_gathers_its_evidence_into_the_alerts_thread_and_show_stacks_gathers_again(env):
+    """Issue 52: at the stall, `eagle3 why`'s evidence is gathered (beside the tick: the real notifier uses a thread
+    of its own; inline here), kept under forensics/, and uploaded into the alert's thread with its summary as the
+    comment; Show stacks (a stacks-request) gathers again into the same thread."""
+    asked = []
+    n = env["notifier"](gatherer=lambda notifier, *a: (asked.append(a), notifier._gather_now(*a)))
+    store, fake = env["store"], env["fake"]
+    n.tick(store)
+    verdict(store, "extract", "progressing", "stalled")
+    n.tick(store)
+    n.tick(store)
+    alert_ts = next(f"1790000000.{i + 1:06d}" for i, (m, p) in enumerate(fake.calls)
+                    if m == "chat.postMessage" and "*extract is stalled*" in p.get("text", ""))
+    assert [a[0] for a in asked] == ["extract"] and asked[0][3] == "at the stall"
+    uploads = [p for p in fake.of("files.completeUploadExternal") if "Evidence of extract" in p.get("initial_comment", "")]
+    assert len(uploads) == 1 and uploads[0]["thread_ts"] == alert_ts, fake.of("files.completeUploadExternal")
+    assert "extract: no live process to read" in uploads[0]["initial_comment"]
+    kept = list((env["ws"].state_dir / "forensics").rglob("evidence.txt"))
+    assert len(kept) == 1 and kept[0].read_text().startswith("eagle3 why extract")
+    store.add_event(kind="stacks-request", run_id="r1", stage="extract", data={"by": "slack:U1"})
+    n.tick(store)
+    n.tick(store)
+    again = [p for p in fake.of("files.completeUploadExternal") if "asked by slack:U1" in p.get("initial_comment", "")]
+    assert len(again) == 1 and again[0]["thread_ts"] == alert_ts

@@ -286,3 +286,19 @@ def test_a_stuck_client_does_not_silence_the_bot(slack):
         assert signed(slack["url"], big).status_code == 413
     finally:
         stuck.close()
+
+
+def test_show_stacks_is_read_only_and_asks_the_notifier_to_gather_into_the_alerts_thread(slack):
+    """Issue 52: anyone in an allowed channel may press Show stacks (a stranger too: it changes nothing); the click
+    records a stacks-request that serve's notifier gathers beside the tick, and the clicker is told where it comes."""
+    import sqlite3
+
+    r = click(slack, "eagle3_show_stacks", "extract", user="USTRANGER", ephemeral=True)
+    assert r.status_code == 200
+    said = wait_for(lambda: [p for p in slack["fake"].of("response_url") if "gathering extract's stacks" in
+                             p.get("text", "")], what="the answer to Show stacks")
+    assert said[0].get("response_type") == "ephemeral"
+    conn = sqlite3.connect(slack["cfg"].parent / ".eagle3" / "state.sqlite")
+    rows = conn.execute("SELECT stage, data FROM events WHERE kind = 'stacks-request'").fetchall()
+    conn.close()
+    assert rows == [("extract", json.dumps({"by": "slack:USTRANGER"}))]

@@ -125,6 +125,11 @@ def test_a_whole_demo_run_told_in_a_channel(tmp_path):
     assert "request(s) 'running' on a healthy server but none completed" in alert["text"], alert["text"]
     quiet = int(re.search(r"no progress for (\d+)s", alert["text"]).group(1))
     assert quiet <= 5 + 3 * 1 + 5, alert["text"]
+    # issue 52: the evidence gathered at the stall, beside the tick, in the alert's thread: the stuck client's and the
+    # server's frames from the real py-spy, with the whole as a file
+    evidence = [p for p in fake.of("files.completeUploadExternal") if p.get("thread_ts") == alert_ts
+                and "Evidence of extract, gathered at the stall" in p.get("initial_comment", "")]
+    assert len(evidence) == 1 and re.search(r"extract: pid \d+ in ", evidence[0]["initial_comment"]), evidence
     # the escalation: a reply in the alert's thread, broadcast, mentioning on-call; resolved in place with the alert
     assert escalation.get("reply_broadcast") in (True, "true", "1", 1) and "<@UONCALL>" in escalation["text"]
     escalation_ts = ts_of(escalation)
