@@ -33,6 +33,7 @@ from handlers.verbs import LABELS, STATUS_ACTIONS
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
 from pipeline.handoff.machine import TRAINING, TRAINING_DONE, TRAINING_FAILED, handoff_state
 from pipeline.manifest import mass_line
+from pipeline.observe import forensics
 from pipeline.observe.charts import alt_text, render_run
 from pipeline.prepare import read_meta
 from pipeline.status import RunStatus
@@ -170,8 +171,6 @@ class Notifier:
         self.gatherer(self, stage, run, thread_key, why)
 
     def _gather_now(self, stage: str, run: str | None, thread_key: str | None, why: str) -> None:
-        from pipeline.observe import forensics
-
         store = Store(self.ws.store_path, check_integrity=False)
         try:
             ev = forensics.gather(self.ws.for_run(run), store, stage)
