@@ -717,3 +717,32 @@ def test_a_stall_gathers_its_evidence_into_the_alerts_thread_and_show_stacks_gat
     n.tick(store)
     again = [p for p in fake.of("files.completeUploadExternal") if "asked by slack:U1" in p.get("initial_comment", "")]
     assert len(again) == 1 and again[0]["thread_ts"] == alert_ts
+
+
+def test_gathering_never_holds_the_tick(env, monkeypatch):
+    """Issue 52: the notifier's tick (the monitor's thread, under the console transport and the demo) returns while
+    the gathering is still held — py-spy stuck on a process, say — and the evidence arrives when it is done."""
+    import threading
+
+    from pipeline.observe import forensics
+    from tests.conftest import wait_for
+
+    release, started = threading.Event(), threading.Event()
+    real = forensics.gather
+
+    def held(*a, **kw):
+        started.set()
+        release.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(forensics, "gather", held)
+    n, store, fake = env["notifier"](), env["store"], env["fake"]  # the real gatherer: a thread of its own
+    n.tick(store)
+    verdict(store, "extract", "progressing", "stalled")
+    n.tick(store)  # returns although the gathering it started is held
+    assert started.wait(10) and not release.is_set()
+    assert any("*extract is stalled*" in p.get("text", "") for p in fake.of("chat.postMessage"))
+    release.set()
+    wait_for(lambda: (n.tick(store), any("Evidence of extract" in p.get("initial_comment", "")
+                                          for p in fake.of("files.completeUploadExternal")))[1],
+             timeout=30, what="the evidence once the gathering was let go")
