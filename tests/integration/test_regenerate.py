@@ -80,6 +80,8 @@ def test_from_a_chat_file_to_a_measured_draft(tmp_path):
     from tests.toy import ToyServer
 
     cfg = write_demo_workspace(tmp_path / "ws", regenerate=True, samples=32, steps=STEPS)
+    # one training process: torchrun's two are the demo's and test_train's to prove; this one's story is the chain
+    cfg.write_text(cfg.read_text().replace('"--nproc-per-node", "2"', '"--nproc-per-node", "1"'))
     ws = load_workspace(cfg)
     ctl = Controller(workspace=ws)
     monitor = Monitor(ws=ws)

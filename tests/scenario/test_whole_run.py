@@ -52,7 +52,7 @@ def _click_ack(url: str, fake: FakeSlack, alert: dict, ts: str, user: str) -> No
 
 def test_a_whole_demo_run_told_in_a_channel(tmp_path):
     fake = FakeSlack()
-    cfg = write_demo_workspace(tmp_path / "ws", steps=20, samples=60)
+    cfg = write_demo_workspace(tmp_path / "ws", steps=10, samples=60)
     text = re.sub(r'("toy-server", "--port", "\d+")',
                   rf'\1, "--hang-after", "{HANG_AFTER}", "--hang-for", "{HANG_FOR_S}"', cfg.read_text())
     text = text.replace("stall_floor_s = 30", "stall_floor_s = 5")
