@@ -149,9 +149,9 @@ def test_topk_targets_from_stock_server(tmp_path, capsys):
     try:
         write_dataset(tmp_path / "d.jsonl", 24, lo=16, hi=64)
         whole = eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out",
-                       str(tmp_path / "out"))
+                       str(tmp_path / "out"), "--concurrency", "8")
         small = eagle3("extract", "--server", server.url, "--data", str(tmp_path / "d.jsonl"), "--out",
-                       str(tmp_path / "out8"), "--target-topk", "8")
+                       str(tmp_path / "out8"), "--target-topk", "8", "--concurrency", "8")
     finally:
         server.stop()
     assert whole.returncode == 0 and small.returncode == 0, whole.stderr + small.stderr
