@@ -7,6 +7,7 @@ no sample for that metric — never a 0 that would read as "no progress".
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import subprocess
@@ -144,9 +145,10 @@ def _build_info(docs: str | None = None):
 HERE = Path(__file__).resolve().parent.parent  # the checkout or install this code runs from
 
 
+@functools.cache
 def docs_url() -> str:
     """The docs' base URL: the checkout's repository web view at its revision, else the install's docs/ as a
-    file URL."""
+    file URL. Read once (a scrape runs no git)."""
     return web_docs_url(_git("remote", "get-url", "origin"), revision().split("-")[0]) or (HERE / "docs").as_uri()
 
 
@@ -169,19 +171,11 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
-_REVISION: list[str] = []
-
-
+@functools.cache
 def revision() -> str:
     """The source revision this install runs: the git commit of its checkout (an editable install, as
     deploy/eagle3.service's), else the commit pip recorded for a VCS install (direct_url.json), else "unknown".
     Read once."""
-    if not _REVISION:
-        _REVISION.append(_read_revision())
-    return _REVISION[0]
-
-
-def _read_revision() -> str:
     import json
     from importlib.metadata import PackageNotFoundError, distribution
 

@@ -90,6 +90,15 @@ def test_a_launch_checked_against_a_cancel_in_its_own_transaction_starts_nothing
 EXTRACT_OUT = "out"
 
 
+def to_launching(h: Handoff) -> None:
+    """Arm and walk the handoff through its edges to launching-training (the steps' own checks are tested apart)."""
+    from pipeline.handoff.machine import GPU_WAIT, LAUNCHING, STOPPING, WAITING
+
+    h.arm(by="test")
+    for step in (WAITING, STOPPING, GPU_WAIT, LAUNCHING):
+        h._set(step, "test")
+
+
 def used_ws(tmp_path, extra: str = "") -> tuple[Workspace, Store]:
     """A workspace whose earlier run extracted 300 of 300 samples (exited 0, manifest complete) and closed."""
     import sqlite3
@@ -369,7 +378,7 @@ def test_a_restart_of_training_by_hand_is_followed_to_its_end_not_taken_for_a_ca
     not the training's end — the handoff follows the new process and ends `training-done` with the draft, and the
     ending's duration counts from the run's first start of training, not from the restart."""
     from bot.notifier import Notifier
-    from pipeline.handoff.machine import LAUNCHING, TRAINING, TRAINING_DONE, WAITING
+    from pipeline.handoff.machine import TRAINING, TRAINING_DONE
 
     ws, store = used_ws(tmp_path)
     now = [1000.0]
@@ -377,9 +386,7 @@ def test_a_restart_of_training_by_hand_is_followed_to_its_end_not_taken_for_a_ca
     h = Handoff(ws=ws, store=store, supervisor=sup, clock=lambda: now[0])
     try:
         run = store.open_run()
-        h.arm(by="test")
-        for step in (WAITING, "stopping-server", "waiting-for-gpu-release", LAUNCHING):
-            h._set(step, "test")
+        to_launching(h)
         first = store.insert_proc({"run_id": run, "stage": "train", "state": "running", "argv": "[]",
                                    "started_at": 100.0, "stop_requested": 0})
         h._set(TRAINING, "launched", train_proc_id=first)
@@ -443,7 +450,7 @@ def test_a_cancel_that_lands_while_a_step_notes_its_news_is_never_written_over(t
     and only for the step its caller was in."""
     import threading
 
-    from pipeline.handoff.machine import CANCELLED, LAUNCHING, WAITING
+    from pipeline.handoff.machine import CANCELLED, LAUNCHING
 
     ws, store = used_ws(tmp_path)
     sup = type("S", (), {"refresh": lambda self: None})()
@@ -458,9 +465,7 @@ def test_a_cancel_that_lands_while_a_step_notes_its_news_is_never_written_over(t
 
     try:
         store.open_run()
-        h.arm(by="test")
-        for step in (WAITING, "stopping-server", "waiting-for-gpu-release", LAUNCHING):
-            h._set(step, "test")
+        to_launching(h)
         h._set(LAUNCHING, "launch attempt 1 of 3 failed (x); retrying in 3 s")
         canceller = threading.Thread(target=autostart_off)
         read = h.state
