@@ -331,6 +331,14 @@ class Workspace:
         """The configuration of stage `name`."""
         return getattr(self.config.stages, name)
 
+    def forensics_dir(self, run: str | None) -> Path:
+        """Where a run's "why is it stuck?" evidence is kept."""
+        return self.state_dir / "forensics" / (run or "no-run")
+
+    def flight_dir(self, run: str | None) -> Path:
+        """Where a run's training dumps PyTorch's flight recorder (pipeline/train/flight.py)."""
+        return self.forensics_dir(run) / "flight-recorder"
+
     def log_path(self, name: str) -> Path:
         """Where stage `name` writes its output."""
         configured = self.stage(name).log

@@ -10,7 +10,7 @@
 The whole is bounded (GATHER_BUDGET_S) and written under STATE_DIR/forensics/<run>/<time>-<stage>/evidence.txt;
 `eagle3 why STAGE` prints it. It never raises: what could not be read is a line saying why.
 
-Not yet (issue 52): the collective each rank waits in (PyTorch's flight recorder), the extraction client's
+Not yet (issue 52): the extraction client's
 requests in flight, a summary in the alert's thread with the evidence uploaded, and a Show stacks button.
 """
 
@@ -31,10 +31,12 @@ from pipeline.config import Workspace
 from pipeline.observe.probes.process import group_processes
 from pipeline.stages.logfile import tail_lines
 from pipeline.store import Store
+from pipeline.train import flight
 
 GATHER_BUDGET_S = 20.0  # all of it, py-spy included
 LOG_LINES = 40
 PYSPY_TIMEOUT_S = 10.0  # one process's dump
+FLIGHT_WAIT_S = 5.0  # how long the ranks have to dump their flight recorders once knocked
 MAX_PROCESSES = 16  # stacks of at most this many processes (a torchrun of 8 ranks and their workers)
 
 
@@ -103,6 +105,41 @@ def _processes(store: Store, stage: str) -> list[psutil.Process]:
     return group_processes(proc.pgid, proc.create_time or 0)[:MAX_PROCESSES]
 
 
+def _run(store: Store, stage: str) -> str | None:
+    proc = store.latest_proc(stage)
+    return proc.run_id if proc else None
+
+
+def _collectives(fr_dir: Path, knocked: list[int], since: float, started: float, budget_s: float) -> list[str]:
+    """The flight recorder's summary, once every knocked rank has dumped (or FLIGHT_WAIT_S has passed)."""
+    if not knocked:
+        return [f"no rank serves flight-recorder dumps under {fr_dir} (a trainer other than eagle3's on gloo, or "
+                "one started before the recorder was on): the stacks stand alone"]
+    deadline = min(started + budget_s, since + FLIGHT_WAIT_S)
+    while True:
+        dumps = flight.read_dumps(fr_dir, knocked, since=since)
+        if all(isinstance(d, dict) for d in dumps.values()) or time.time() >= deadline:
+            return flight.summarize(dumps)
+        time.sleep(0.1)
+
+
+def _entries(fr_dir: Path, ranks: list[int], last: int = 5) -> str:
+    """Each rank's process groups' status and its last collectives, one line each (the whole dump stays beside)."""
+    lines = []
+    for rank, dump in sorted(flight.read_dumps(fr_dir, ranks, since=0).items()):
+        if isinstance(dump, str):
+            lines.append(f"rank {rank}: {dump}")
+            continue
+        for pg, st in sorted((dump.get("pg_status") or {}).items()):
+            lines.append(f"rank {rank}, process group {pg}: last enqueued #{st.get('last_enqueued_collective')}, "
+                         f"last completed #{st.get('last_completed_collective')}")
+        for e in (dump.get("entries") or [])[-last:]:
+            lines.append(f"  #{e.get('collective_seq_id')} {e.get('profiling_name')} {e.get('state')} "
+                         f"sizes {e.get('input_sizes')} {'retired' if e.get('retired') else 'in flight'}")
+    lines.append(f"(the whole dumps: {fr_dir}/rank_<N>.json)")
+    return "\n".join(lines)
+
+
 def _python(p: psutil.Process) -> bool:
     try:
         return "python" in os.path.basename((p.cmdline() or [""])[0]) or "python" in p.name()
@@ -159,6 +196,9 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
     if listing:
         ev.sections.append((f"{len(procs)} process(es) of {stage}", "\n".join(listing)))
     pythons = [p for p in procs if _python(p)]
+    knocked, fr_dir, knocked_at = None, ws.flight_dir(_run(store, stage)), time.time()
+    if stage == "train" and procs:  # knocked first: the ranks dump while py-spy reads their stacks
+        knocked = flight.request_dumps(fr_dir)
     left = max(1.0, budget_s - (time.monotonic() - started))
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(pythons)))) as pool:
         dumps = list(pool.map(lambda p: (p.pid, *dump_stack(p.pid, binary=binary, timeout_s=min(PYSPY_TIMEOUT_S, left))),
@@ -171,6 +211,9 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
         ev.summary.append(f"stacks: {why}")
     for pid, text, why in dumps:
         ev.sections.append((f"stack of pid {pid} (py-spy dump)", text or why or "empty"))
+    if knocked is not None:
+        ev.summary += [f"collectives: {line}" for line in _collectives(fr_dir, knocked, knocked_at, started, budget_s)]
+        ev.sections.append(("the flight recorder (PyTorch), each rank's last collectives", _entries(fr_dir, knocked)))
     left = max(1.0, budget_s - (time.monotonic() - started))
     server = _server_view(ws, stage, timeout_s=min(5.0, left))
     if server:
@@ -185,7 +228,7 @@ def keep(ws: Workspace, ev: Evidence, run: str | None) -> Path | str:
     """Write the evidence under STATE_DIR/forensics/<run>/<time>-<stage>/evidence.txt; returns the file, or why it
     could not be written (a full disk loses the copy, never the answer)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(ev.t))
-    directory = ws.state_dir / "forensics" / (run or "no-run") / f"{stamp}-{ev.stage}"
+    directory = ws.forensics_dir(run) / f"{stamp}-{ev.stage}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / "evidence.txt"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from pipeline.config import RUN_ENV, Workspace, without_secrets
+from pipeline.train.flight import flight_env
 
 # A process's identity is (pid, start): the kernel's start time in clock ticks since boot (/proc/<pid>/stat),
 # so the same process always reads the same value and a reused pid reads a later one, at least one tick
@@ -169,9 +170,11 @@ class StopResult:
 
 def stage_env(ws: Workspace, stage: str, *, run: str | None = None) -> dict[str, str]:
     """The environment a stage runs with: ours without the Slack secrets, its configured env, its GPUs,
-    and EAGLE3_RUN (the run it belongs to: the trainer resumes only a checkpoint of the same run)."""
+    EAGLE3_RUN (the run it belongs to: the trainer resumes only a checkpoint of the same run), and for training
+    PyTorch's flight recorder, dumped under the run's forensics (pipeline/train/flight.py)."""
     cfg = ws.stage(stage)
-    env = without_secrets({**os.environ, **cfg.env, "PYTHONUNBUFFERED": "1"})
+    recorder = flight_env(ws.flight_dir(run)) if stage == "train" else {}  # what its own env sets wins
+    env = without_secrets({**os.environ, **recorder, **cfg.env, "PYTHONUNBUFFERED": "1"})
     if run:
         env[RUN_ENV] = run
     if cfg.gpus:

@@ -36,6 +36,7 @@ from pipeline.train.data import (
     token_counts,
 )
 from pipeline.train.export import context_warning, export_checkpoint, launch_line, tp_line
+from pipeline.train.flight import serve_dumps
 from pipeline.train.model import (
     DraftConfig,
     Eagle3Draft,
@@ -153,7 +154,9 @@ class Dist:
         if self.world > 1:
             if self.device.type == "cpu":
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never bind another interface
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend)
+            serve_dumps(self.rank, backend)  # "why is it stuck?" reads the collective each rank is in
 
     def mean(self, values: list) -> list[float]:
         """The ranks' mean of each value (numbers, or 0-d tensors on this rank's device): one read."""

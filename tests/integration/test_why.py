@@ -78,3 +78,6 @@ def test_a_stuck_collective_shows_the_waiting_ranks_all_reduce_and_the_sleeping_
     assert out.returncode == 0, out.stderr
     summary = out.stdout.split("\n\n", 1)[0]
     assert "in all_reduce (" in summary and "in slow_rank (collective.py:" in summary, summary
+    # the flight recorder each rank dumped on the knock: where each one is, counted by PyTorch
+    assert "collectives: rank 0 waits in all_reduce #4; rank 1 is at #3 → rank 1 is behind" in summary, summary
+    assert "rank 1, process group 0: last enqueued #3, last completed #3" in out.stdout
