@@ -33,6 +33,7 @@ from pipeline.extract.storing import LAYER_CONVENTION, DiskError, Stored, StoreS
 from pipeline.extract.writer import DTYPES, remove_temp_files, sample_path
 from pipeline.layout import HIDDEN_DIR
 from pipeline.manifest import MANIFEST_NAME, Manifest, mass_line, summarize
+from pipeline.observe.probes.client_state import StateServer
 from pipeline.prepare import read_meta as read_prepare_meta
 from pipeline.verdict import fmt_bytes
 
@@ -139,6 +140,10 @@ class Extractor:
         self.warned_large: set[int] = set()
         self._published = 0.0
         self.work: _Work | None = None  # the run's state, from `run()` on
+        # what `eagle3 why extract` is told (pipeline/observe/probes/client_state.py): sample -> (sent at, tokens, worker pid)
+        self.requests: dict[int, tuple[float, int, int | None]] = {}
+        self.beat = time.time()  # the event loop's last turn
+        self.last_written: tuple[int, float] | None = None  # (sample, when)
 
     def _budget(self) -> float:
         if self.o.max_inflight_gb is not None:
@@ -247,17 +252,19 @@ class Extractor:
         self.say(f"requesting, parsing and writing in {n} worker process(es)" + (" (one per core, less one for "
                  "the client; --parse-workers to change)" if self.o.parse_workers is None else "") if n else
                  f"parsing and writing in {STORE_WORKERS} threads of the client (--parse-workers 0)")
+        told = StateServer(os.getpid(), self.snapshot)
         try:
             self.work.workers += [self._start_worker() for _ in range(n)]
             with open(self.o.data, "rb") as fh:
                 async with httpx.AsyncClient(base_url=self.o.server, timeout=self.o.timeout_s, limits=limits) as client:
-                    tasks = [asyncio.create_task(self._feed(fh, todo))]
+                    tasks = [asyncio.create_task(self._feed(fh, todo)), asyncio.create_task(self._beat())]
                     tasks += [asyncio.create_task(self._requester(client)) for _ in range(self.o.concurrency)]
                     if not self.work.workers:
                         tasks += [asyncio.create_task(self._storer()) for _ in range(STORE_WORKERS)]
                     await self._until_finished()
                     await end_tasks(tasks)
         finally:
+            told.close()
             for w in self.work.workers:
                 w.close()
             if self.work.workers:
@@ -279,6 +286,29 @@ class Extractor:
         if self.stopping.is_set():
             self.say("stopped on request; the manifest is consistent — run the same command to resume")
         return 0
+
+    async def _beat(self) -> None:
+        """The event loop's heartbeat, for the state told on request: a loop blocked in a read stops it."""
+        while True:
+            self.beat = time.time()
+            await asyncio.sleep(0.5)
+
+    def snapshot(self) -> dict:
+        """The client's state now, for `eagle3 why extract` (read from the state thread: copies only)."""
+        w = self.work
+        requests = dict(self.requests)  # one C-level copy: atomic against the loop's changes
+        workers = list(w.workers) if w else []
+        return {
+            "pid": os.getpid(), "t": time.time(), "loop_beat": self.beat,
+            "in_flight": [{"sample": i, "since": t, "tokens": n, "worker": pid}
+                          for i, (t, n, pid) in sorted(requests.items(), key=lambda kv: kv[1][0])],
+            "waiting": w.jobs.qsize() if w else 0, "storing": w.storing if w else 0,
+            "budget_bytes": self.budget, "inflight_bytes": self.inflight_bytes,
+            "server_up": self.server_up.is_set(), "stopping": self.stopping.is_set(),
+            "remaining": w.remaining if w else None,
+            "last_written": {"sample": self.last_written[0], "t": self.last_written[1]} if self.last_written else None,
+            "workers": [{"pid": pw.pid, "requests": len(pw.pending), "exit": pw.proc.poll()} for pw in workers],
+        }
 
     async def _until_finished(self) -> None:
         """All samples recorded; or a fatal error; or, after a stop, the work in flight drained
@@ -371,6 +401,7 @@ class Extractor:
         self.unrecorded.add(job.idx)
         job.attempts += 1
         self.work.inflight += 1
+        self.requests[job.idx] = (time.time(), len(job.ids), w.pid)
         if self.on_request:
             self.on_request(+1, time.monotonic())
         try:
@@ -383,6 +414,7 @@ class Extractor:
             return
         finally:
             self.work.inflight -= 1
+            self.requests.pop(job.idx, None)
             if self.on_request:
                 self.on_request(-1, time.monotonic())
         self._release(job)
@@ -462,6 +494,7 @@ class Extractor:
         if self.on_request:
             self.on_request(+1, time.monotonic())
         t0 = time.monotonic()
+        self.requests[job.idx] = (time.time(), len(job.ids), None)
         try:
             async with client.stream("POST", "/generate", json=body) as r:
                 if r.status_code >= 400:
@@ -472,6 +505,7 @@ class Extractor:
                     content += chunk
             job.latency_s = time.monotonic() - t0
         finally:
+            self.requests.pop(job.idx, None)
             if self.on_request:
                 self.on_request(-1, time.monotonic())
         return content
@@ -538,6 +572,8 @@ class Extractor:
             self.fatal = self.fatal or _manifest_error(f"cannot record sample {job.idx}", self.o.out, exc)
             return
         self.unrecorded.discard(job.idx)
+        if status == "done":
+            self.last_written = (job.idx, time.time())
         if status == "done" and self.width and not self.hidden_recorded:
             try:
                 self.work.manifest.set_meta({"hidden_size": self.width // self.work.plan.layers})

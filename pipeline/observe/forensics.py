@@ -16,11 +16,13 @@ requests in flight, a summary in the alert's thread with the evidence uploaded, 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,14 +30,18 @@ from pathlib import Path
 import psutil
 
 from pipeline.config import Workspace
+from pipeline.observe.probes.client_state import ask as ask_client
 from pipeline.observe.probes.process import group_processes
 from pipeline.stages.logfile import tail_lines
 from pipeline.store import Store
 from pipeline.train import flight
+from pipeline.verdict import fmt_bytes, fmt_s
 
 GATHER_BUDGET_S = 20.0  # all of it, py-spy included
 LOG_LINES = 40
 PYSPY_TIMEOUT_S = 10.0  # one process's dump
+HEALTH_TIMEOUT_S = 3.0
+LOOP_BLOCKED_S = 10.0  # the client's event loop turns twice a second: this long without a turn is a blocked call
 FLIGHT_WAIT_S = 5.0  # how long the ranks have to dump their flight recorders once knocked
 MAX_PROCESSES = 16  # stacks of at most this many processes (a torchrun of 8 ranks and their workers)
 
@@ -89,13 +95,35 @@ def dump_stack(pid: int, *, binary: str | None, timeout_s: float = PYSPY_TIMEOUT
     return "", f"py-spy could not read process {pid}: {said}"
 
 
+OUR_THREADS = ("extract-state", "flight-recorder-dump", "parse-worker-", "reap-")  # bookkeeping, never the story
+QUIET_FRAMES = ("(threading.py:", "(queue.py:")  # a thread parked on a lock or a queue: noise in a summary
+
+
+def threads(dump: str) -> list[tuple[str, list[str]]]:
+    """A py-spy dump's threads: (name, frames innermost first)."""
+    out: list[tuple[str, list[str]]] = []
+    for line in dump.splitlines():
+        if line.startswith("Thread "):
+            out.append((line.rsplit('"', 2)[-2] if line.endswith('"') else "", []))
+        elif out and line.startswith("    ") and line.strip():
+            out[-1][1].append(line.strip())
+    return out
+
+
 def innermost(dump: str) -> str | None:
-    """The innermost frame of the first thread of a py-spy dump ("wait_in_collective (fixture.py:12)")."""
-    lines = dump.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith("Thread ") and i + 1 < len(lines):
-            return lines[i + 1].strip() or None
-    return None
+    """Where a process is: its main thread's innermost frame ("wait_in_collective (fixture.py:12)"), then its other
+    threads grouped by theirs ("4 threads in SyncStream.read (httpcore/_backends/sync.py:128)"), leaving out our
+    own bookkeeping threads and threads parked on a lock or a queue."""
+    found = threads(dump)
+    if not found:
+        return None
+    main = next((t for t in found if t[0] == "MainThread"), found[0])
+    others = Counter(frames[0] for name, frames in found
+                     if (name, frames) != main and frames and not name.startswith(OUR_THREADS)
+                     and not any(q in frames[0] for q in QUIET_FRAMES) and frames[0] != (main[1] or [None])[0])
+    said = [main[1][0]] if main[1] else []
+    said += [f"{n} thread{'s' if n > 1 else ''} in {frame}" for frame, n in others.most_common(2)]
+    return ", ".join(said) or None
 
 
 def _processes(store: Store, stage: str) -> list[psutil.Process]:
@@ -147,8 +175,18 @@ def _python(p: psutil.Process) -> bool:
         return False
 
 
-def _server_view(ws: Workspace, stage: str, timeout_s: float) -> str | None:
-    """The SGLang server's own view of its load, where the stage is the server (or the extraction it serves)."""
+@dataclass
+class ServerLoad:
+    """The server's own count of the requests it runs and queues (None: not told), and where it was read."""
+
+    running: float | None = None
+    waiting: float | None = None
+    source: str = ""
+
+
+def _server_view(ws: Workspace, stage: str, timeout_s: float) -> tuple[str, ServerLoad] | None:
+    """The SGLang server's own view of its load, where the stage is the server (or the extraction it serves):
+    `/v1/loads` (0.5.23), `/health` and the queue gauges of `/metrics`."""
     url = ws.config.stages.server.url
     if stage not in ("server", "extract", "regenerate") or not url or not ws.config.stages.server.argv:
         return None  # no server stage in this workspace: nothing of ours to ask
@@ -156,26 +194,93 @@ def _server_view(ws: Workspace, stage: str, timeout_s: float) -> str | None:
 
     from pipeline.observe.probes.server import parse_metrics
 
-    lines = []
+    base, lines, load = url.rstrip("/"), [], ServerLoad()
     try:
         with httpx.Client(timeout=timeout_s) as client:
-            for path in ("/get_load", "/health"):
-                try:
-                    r = client.get(f"{url.rstrip('/')}{path}")
-                    lines.append(f"GET {path}: HTTP {r.status_code} {r.text.strip()[:300]}")
-                except httpx.HTTPError as exc:
-                    lines.append(f"GET {path}: no answer ({type(exc).__name__})")
             try:
-                r = client.get(f"{url.rstrip('/')}/metrics")
+                r = client.get(f"{base}/v1/loads", params={"include": "core"})
+                lines.append(f"GET /v1/loads: HTTP {r.status_code} {r.text.strip()[:600]}")
+                loads = r.json().get("loads") if r.status_code == 200 else None
+                if isinstance(loads, list) and loads:
+                    load = ServerLoad(running=sum(float(x.get("num_running_reqs") or 0) for x in loads),
+                                      waiting=sum(float(x.get("num_waiting_reqs") or 0) for x in loads),
+                                      source="/v1/loads")
+            except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                lines.append(f"GET /v1/loads: no answer ({type(exc).__name__})")
+            try:  # SGLang's health check runs a 1-token generation: a wedged server takes its 20 s to say 503
+                r = client.get(f"{base}/health", timeout=min(HEALTH_TIMEOUT_S, timeout_s))
+                lines.append(f"GET /health: HTTP {r.status_code}")
+            except httpx.HTTPError as exc:
+                lines.append(f"GET /health: no answer within {min(HEALTH_TIMEOUT_S, timeout_s):.0f} s "
+                             f"({type(exc).__name__})")
+            try:
+                r = client.get(f"{base}/metrics")
                 m = parse_metrics(r.text) if r.status_code == 200 else {}
                 shown = {k: v for k, v in m.items() if any(w in k for w in ("running", "queue", "waiting"))}
                 lines.append("metrics: " + (", ".join(f"{k} {v:g}" for k, v in sorted(shown.items()))
                                             or f"none about the queue (HTTP {r.status_code})"))
+                if load.running is None and "sglang:num_running_reqs" in m:
+                    load = ServerLoad(running=m["sglang:num_running_reqs"], waiting=m.get("sglang:num_queue_reqs"),
+                                      source="/metrics")
             except (httpx.HTTPError, ValueError) as exc:
                 lines.append(f"GET /metrics: no answer ({type(exc).__name__})")
     except Exception as exc:  # noqa: BLE001 - a probe never raises
         lines.append(f"the server could not be asked ({type(exc).__name__}: {exc})")
-    return "\n".join(lines)
+    return "\n".join(lines), load
+
+
+def _client_state(procs: list[psutil.Process]) -> dict | None:
+    """The extraction client's own account (pipeline/observe/probes/client_state.py), from whichever process of the stage it is."""
+    for p in procs:
+        state = ask_client(p.pid)
+        if state is not None:
+            return state
+    return None
+
+
+def client_summary(state: dict | None, load: ServerLoad | None, now: float) -> list[str]:
+    """The extraction client's state in a sentence or two: its requests in flight and their age, and what the
+    server says of them ("the server holds them"), or why nothing is in flight."""
+    if state is None:
+        return ["client: its own state could not be read (not eagle3's extraction client, or it has ended)"]
+    if "error" in state:
+        return [f"client: its state could not be told ({state['error']})"]
+    lines = []
+    quiet = now - float(state.get("loop_beat") or now)
+    if quiet > LOOP_BLOCKED_S:
+        lines.append(f"client: its event loop has not run for {fmt_s(quiet)}: it is blocked in a call (its stack, "
+                     "below, shows which)")
+    flight = state.get("in_flight") or []
+    written = state.get("last_written")
+    last = (f"; the last sample written {fmt_s(now - written['t'])} ago (sample {written['sample']})" if written
+            else "; no sample written yet by this process")
+    if flight:
+        oldest = flight[0]
+        said = (f"client: {len(flight)} request{'s' if len(flight) != 1 else ''} in flight, the oldest "
+                f"{fmt_s(now - oldest['since'])} (sample {oldest['sample']}, {oldest['tokens']:,} tokens)")
+        if load is None or load.running is None:
+            said += "; the server's own count is unknown (it did not answer /v1/loads or /metrics)"
+        else:
+            waiting = int(load.waiting or 0)
+            said += f"; the server runs {int(load.running)}, queues {waiting}"
+            if waiting:
+                said += ": the server queues them"
+            elif load.running:
+                said += ": the server holds them"
+            else:
+                said += ": the server has none of them (lost between the client and the server)"
+        lines.append(said + last)
+    else:
+        why = ("it is stopping" if state.get("stopping") else "it waits for the server to come back"
+               if not state.get("server_up") else
+               f"{state.get('waiting', 0)} sample(s) wait for room in the in-flight budget "
+               f"({fmt_bytes(state.get('inflight_bytes') or 0)} of {fmt_bytes(state.get('budget_bytes') or 0)})"
+               if state.get("waiting") else "no sample waits to be sent")
+        lines.append(f"client: no request in flight: {why}{last}")
+    dead = [w for w in state.get("workers") or [] if w.get("exit") is not None]
+    if dead:
+        lines.append("client: parse worker(s) ended: " + ", ".join(f"pid {w['pid']} (exit {w['exit']})" for w in dead))
+    return lines
 
 
 def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_BUDGET_S,
@@ -217,7 +322,12 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
     left = max(1.0, budget_s - (time.monotonic() - started))
     server = _server_view(ws, stage, timeout_s=min(5.0, left))
     if server:
-        ev.sections.append(("the SGLang server's own view", server))
+        ev.sections.append(("the SGLang server's own view", server[0]))
+    if stage == "extract" and procs:
+        state = _client_state(procs)
+        ev.summary[:0] = client_summary(state, server[1] if server else None, clock())
+        if state is not None:
+            ev.sections.append(("the extraction client's own state", json.dumps(state, indent=1)))
     log = ws.log_path(stage)
     tail = tail_lines(log, LOG_LINES)
     ev.sections.append((f"the last {LOG_LINES} lines of {log}", "\n".join(tail) if tail else "(empty or missing)"))

@@ -171,6 +171,8 @@ def make_handler(state: ToyState):
                 self._send(200, state.server_info())
             elif self.path == "/get_model_info":
                 self._send(200, {"model_path": "toy-lm", "is_generation": True})
+            elif self.path.split("?", 1)[0] == "/v1/loads":  # SGLang 0.5.23's own view of its load
+                self._send(200, _loads(state))
             elif self.path == "/metrics":
                 self._send(200, _metrics(state).encode(), "text/plain; version=0.0.4")
             else:
@@ -219,6 +221,15 @@ def _fixed_reply(req: dict) -> dict:
     n = len(req.get("input_ids") or [1])
     row = [0.0] * (4 * HIDDEN)
     return {"text": "", "output_ids": [0], "meta_info": {"id": "x", "prompt_tokens": n, "hidden_states": [[row] * n]}}
+
+
+def _loads(state: ToyState) -> dict:
+    """`GET /v1/loads` as SGLang 0.5.23 answers it (entrypoints/v1_loads.py): one load per DP rank."""
+    with state.lock:
+        running = state.running
+    return {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "version": "toy", "accelerator": None,
+            "num_accelerators": 1, "loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0,
+                                              "num_used_tokens": 0, "max_running_requests": 64}]}
 
 
 def _metrics(state: ToyState) -> str:

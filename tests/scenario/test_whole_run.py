@@ -129,7 +129,16 @@ def test_a_whole_demo_run_told_in_a_channel(tmp_path):
     # server's frames from the real py-spy, with the whole as a file
     evidence = [p for p in fake.of("files.completeUploadExternal") if p.get("thread_ts") == alert_ts
                 and "Evidence of extract, gathered at the stall" in p.get("initial_comment", "")]
-    assert len(evidence) == 1 and re.search(r"extract: pid \d+ in ", evidence[0]["initial_comment"]), evidence
+    said = evidence[0]["initial_comment"] if len(evidence) == 1 else evidence
+    assert re.search(r"extract: pid \d+ in ", said), said
+    # the wedged server holds the client's requests: the client's own account and the server's /v1/loads, in a line
+    assert re.search(r"client: \d+ requests? in flight, the oldest \d+s \(sample \d+, [\d,]+ tokens\); the server runs "
+                     r"[1-9]\d*, queues 0: the server holds them; the last sample written \d+s ago", said), said
+    kept = sorted((tmp_path / "ws" / ".eagle3" / "forensics").rglob("evidence.txt"))
+    assert kept and "=== the extraction client's own state ===" in kept[0].read_text()
+    # the client is blocked in a read: its parse worker's request threads wait in httpx's read of the server's
+    # answer, from py-spy's real output
+    assert re.search(r"pid \d+ in [^;]*\d threads? in SyncStream\.read \(httpcore/", said), said
     # the escalation: a reply in the alert's thread, broadcast, mentioning on-call; resolved in place with the alert
     assert escalation.get("reply_broadcast") in (True, "true", "1", 1) and "<@UONCALL>" in escalation["text"]
     escalation_ts = ts_of(escalation)
