@@ -231,11 +231,14 @@ def cmd_logs(args) -> int:
 
 
 @command("why", "where a stage is: its processes' Python stacks (py-spy), the server's own view, its log's end",
-         example="eagle3 why extract",
-         args=(arg("stage", choices=STAGE_NAMES),))
+         example="eagle3 why train --native",
+         args=(arg("stage", choices=STAGE_NAMES),
+               arg("--native", action="store_true",
+                   help="native (C/C++) frames too: py-spy pauses each process for the milliseconds it reads; "
+                        "without it, the stacks are read without pausing anything")))
 def cmd_why(args) -> int:
     with _controller(args) as ctl:
-        ev, path = ctl.why(args.stage)
+        ev, path = ctl.why(args.stage, native=args.native)
     print(ev.text())
     print(f"kept in {path}" if isinstance(path, Path) else path)
     return 0

@@ -418,13 +418,13 @@ class Controller:
         handoff = handoff_state(self.store) or {}
         return f"{self.store.current_run()}:{handoff.get('step', 'off')}"
 
-    def why(self, stage: str):
+    def why(self, stage: str, *, native: bool = False):
         """"Why is it stuck?": the stage's processes' stacks, the server's own view and the log's end, gathered now
         and kept under STATE_DIR/forensics/ (pipeline/observe/forensics.py); returns (the evidence, its file)."""
         self._check_stage(stage)
         proc = self.store.latest_proc(stage)
         run = proc.run_id if proc else None
-        ev = forensics.gather(self.ws.for_run(run), self.store, stage)
+        ev = forensics.gather(self.ws.for_run(run), self.store, stage, native=native)
         return ev, forensics.keep(self.ws, ev, run)
 
     def logs(self, stage: str, *, lines: int = 50) -> tuple[Path, list[str]]:

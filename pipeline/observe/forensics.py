@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,12 +76,17 @@ def _ptrace_scope() -> str:
         return "unknown"
 
 
-def dump_stack(pid: int, *, binary: str | None, timeout_s: float = PYSPY_TIMEOUT_S) -> tuple[str, str | None]:
-    """(py-spy's dump of `pid`, or '', and why not when it could not be read)."""
+def dump_stack(pid: int, *, binary: str | None, timeout_s: float = PYSPY_TIMEOUT_S,
+               native: bool = False) -> tuple[str, str | None]:
+    """(py-spy's dump of `pid`, or '', and why not when it could not be read). Non-blocking unless `native`: the
+    process is never paused; native frames need py-spy to pause it while it reads (milliseconds), so they are
+    only read when asked for (`eagle3 why STAGE --native`)."""
     if binary is None:
         return "", "py-spy is not installed (pip install py-spy, in the service's environment)"
+    mode = "--native" if native else "--nonblocking"
     try:
-        out = subprocess.run([binary, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run([binary, "dump", "--pid", str(pid), mode], capture_output=True, text=True,
+                             timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return "", f"py-spy did not answer within {timeout_s:.0f} s"
     except OSError as exc:
@@ -96,16 +102,17 @@ def dump_stack(pid: int, *, binary: str | None, timeout_s: float = PYSPY_TIMEOUT
 
 
 OUR_THREADS = ("extract-state", "flight-recorder-dump", "parse-worker-", "reap-")  # bookkeeping, never the story
+PY_FRAME = re.compile(r"\.py:\d+\)$|\(<[\w ]+>:\d+\)$")  # "f (x.py:12)", "<module> (<frozen runpy>:88)"
 QUIET_FRAMES = ("(threading.py:", "(queue.py:")  # a thread parked on a lock or a queue: noise in a summary
 
 
 def threads(dump: str) -> list[tuple[str, list[str]]]:
-    """A py-spy dump's threads: (name, frames innermost first)."""
+    """A py-spy dump's threads: (name, Python frames innermost first; native ones, from --native, left out)."""
     out: list[tuple[str, list[str]]] = []
     for line in dump.splitlines():
         if line.startswith("Thread "):
             out.append((line.rsplit('"', 2)[-2] if line.endswith('"') else "", []))
-        elif out and line.startswith("    ") and line.strip():
+        elif out and line.startswith("    ") and PY_FRAME.search(line):
             out[-1][1].append(line.strip())
     return out
 
@@ -283,9 +290,9 @@ def client_summary(state: dict | None, load: ServerLoad | None, now: float) -> l
     return lines
 
 
-def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_BUDGET_S,
-           clock=time.time) -> Evidence:
-    """Everything this module gathers about `stage`, now, within `budget_s`."""
+def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_BUDGET_S, clock=time.time,
+           native: bool = False) -> Evidence:
+    """Everything this module gathers about `stage`, now, within `budget_s` (`native`: see `dump_stack`)."""
     started = time.monotonic()
     ev = Evidence(stage=stage, t=clock())
     procs = _processes(store, stage)
@@ -306,8 +313,8 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
         knocked = flight.request_dumps(fr_dir)
     left = max(1.0, budget_s - (time.monotonic() - started))
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(pythons)))) as pool:
-        dumps = list(pool.map(lambda p: (p.pid, *dump_stack(p.pid, binary=binary, timeout_s=min(PYSPY_TIMEOUT_S, left))),
-                              pythons))
+        dumps = list(pool.map(lambda p: (p.pid, *dump_stack(p.pid, binary=binary, timeout_s=min(PYSPY_TIMEOUT_S, left),
+                                                            native=native)), pythons))
     reasons = sorted({why for _, _, why in dumps if why})
     where = [f"pid {pid} in {innermost(text)}" for pid, text, _ in dumps if text and innermost(text)]
     if where:

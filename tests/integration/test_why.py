@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -72,7 +73,7 @@ def test_a_stuck_collective_shows_the_waiting_ranks_all_reduce_and_the_sleeping_
         log = tmp_path / ".eagle3" / "logs" / "train.log"
         wait_for(lambda: log.exists() and log.read_text().count("ready") >= 2, timeout=60,
                  what="both ranks to join the group")
-        out = eagle3("why", "train", "--config", str(cfg), timeout=60)
+        out = eagle3("why", "train", "--native", "--config", str(cfg), timeout=60)
     finally:
         eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
     assert out.returncode == 0, out.stderr
@@ -81,3 +82,5 @@ def test_a_stuck_collective_shows_the_waiting_ranks_all_reduce_and_the_sleeping_
     # the flight recorder each rank dumped on the knock: where each one is, counted by PyTorch
     assert "collectives: rank 0 waits in all_reduce #4; rank 1 is at #3 → rank 1 is behind" in summary, summary
     assert "rank 1, process group 0: last enqueued #3, last completed #3" in out.stdout
+    # --native: the C/C++ frames under the Python ones (the rank waiting in gloo's wait, in libtorch)
+    assert re.search(r"\(lib\w*torch\w*\.so", out.stdout), out.stdout[-3000:]
