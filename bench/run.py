@@ -26,6 +26,7 @@ def main() -> int:
     write_block("bench", lines)
     from bench import (  # their own blocks: each refreshes alone with `python -m`
         draft_bench,
+        forensics_cost,
         tensorboard_read,
         topk_cost,
         train_kernels,
@@ -34,6 +35,7 @@ def main() -> int:
     tensorboard_read.main(full=full)
     train_kernels.main(full=full)
     draft_bench.main(full=full)
+    forensics_cost.main(full=full)
     print(f"wrote {RESULTS}")
     return 0
 

@@ -154,7 +154,7 @@ def _collectives(fr_dir: Path, knocked: list[int], since: float, started: float,
     while True:
         dumps = flight.read_dumps(fr_dir, knocked, since=since)
         if all(isinstance(d, dict) for d in dumps.values()) or time.time() >= deadline:
-            return flight.summarize(dumps)
+            return flight.summarize(dumps, time.time())
         time.sleep(0.1)
 
 

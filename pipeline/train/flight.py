@@ -24,6 +24,7 @@ PREFIX_ENV = "TORCH_FR_DUMP_TEMP_FILE"  # PyTorch's own name for where a flight-
 BUFFER_ENTRIES = "2000"  # collectives kept per process (about 300 bytes each)
 REQUEST_SUFFIX = ".request"
 DUMP_SUFFIX = ".json"
+MOVING_S = 10.0  # a collective entered this recently: the ranks are at work, not stuck in it
 
 
 def flight_env(directory: Path) -> dict[str, str]:
@@ -146,22 +147,26 @@ def _ranks_word(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + _ranges(ranks)
 
 
-def _position(dump: dict) -> dict[str, tuple[int, int, str]]:
-    """Per process group: (last enqueued collective's number, last completed's, the enqueued one's op)."""
-    ops = {}
+def _position(dump: dict) -> dict[str, tuple[int, int, str, float | None]]:
+    """Per process group: (last enqueued collective's number, last completed's, the enqueued one's op, when it was
+    enqueued, as wall seconds)."""
+    ops: dict[tuple[str, int], tuple[str, float | None]] = {}
     for e in dump.get("entries") or []:
         if not e.get("is_p2p"):
-            ops[(str(e.get("pg_id")), int(e.get("collective_seq_id", -1)))] = str(e.get("profiling_name", "?"))
+            created = e.get("time_created_ns")
+            ops[(str(e.get("pg_id")), int(e.get("collective_seq_id", -1)))] = (
+                str(e.get("profiling_name", "?")), created / 1e9 if isinstance(created, (int, float)) else None)
     out = {}
     for pg, st in (dump.get("pg_status") or {}).items():
         enq, done = int(st.get("last_enqueued_collective", -1)), int(st.get("last_completed_collective", -1))
-        name = ops.get((str(pg), enq), "?").split(":", 1)[-1]
-        out[str(pg)] = (enq, done, name)
+        name, created = ops.get((str(pg), enq), ("?", None))
+        out[str(pg)] = (enq, done, name.split(":", 1)[-1], created)
     return out
 
 
-def summarize(dumps: dict[int, dict | str]) -> list[str]:
-    """One line per finding: which rank waits in which collective, and which ranks are behind."""
+def summarize(dumps: dict[int, dict | str], now: float) -> list[str]:
+    """One line per finding: which rank waits in which collective and for how long, and which ranks are behind.
+    A collective entered less than MOVING_S ago is a run at work, whatever the ranks' numbers at that instant."""
     lines = [f"rank {r}: {d}" for r, d in sorted(dumps.items()) if isinstance(d, str)]
     read = {r: _position(d) for r, d in dumps.items() if isinstance(d, dict)}
     if not read:
@@ -170,25 +175,43 @@ def summarize(dumps: dict[int, dict | str]) -> list[str]:
     told = False
     for pg in groups:
         at = {r: pos[pg] for r, pos in read.items() if pg in pos}
-        top = max(enq for enq, _, _ in at.values())
-        ahead = sorted(r for r, (enq, _, _) in at.items() if enq == top)
-        behind = sorted(r for r, (enq, _, _) in at.items() if enq < top)
-        op = next(name for enq, _, name in at.values() if enq == top)
+        top = max(p[0] for p in at.values())
+        ahead = sorted(r for r, p in at.items() if p[0] == top)
+        behind = sorted(r for r, p in at.items() if p[0] < top)
+        op = next(p[2] for p in at.values() if p[0] == top)
+        entered = [p[3] for r, p in at.items() if r in ahead and p[3] is not None]
+        waited = now - min(entered) if entered else None
         group = "" if pg == "0" else f" (process group {pg})"
+        pending = any(p[1] < p[0] for r, p in at.items() if r in ahead)
+        ago = f", entered {fmt_age(waited)} ago" if waited is not None else ""
+        if not behind and not pending or waited is not None and waited < MOVING_S:
+            if pg == "0" or len(groups) == 1:
+                lows = min(p[0] for p in at.values())
+                span = f"#{top:,}" if lows == top else f"#{lows:,}–#{top:,}"
+                lines.append(f"every rank has finished {op} #{top:,}{group}{ago}: none waits in a collective"
+                             if not behind and not pending else
+                             f"collectives are moving{group}: the ranks are at {op} {span}{ago}")
+                told = True
+            continue
+        since = f" for {fmt_age(waited)}" if waited is not None else ""
         if behind:
             lows = sorted({at[r][0] for r in behind})
             low = "#" + ", #".join(f"{n:,}" for n in lows)
-            lines.append(f"{_ranks_word(ahead)} {'waits' if len(ahead) == 1 else 'wait'} in {op} #{top:,}{group}; "
-                         f"{_ranks_word(behind)} {'is' if len(behind) == 1 else 'are'} at {low} → "
+            lines.append(f"{_ranks_word(ahead)} {'waits' if len(ahead) == 1 else 'wait'} in {op} #{top:,}{group}"
+                         f"{since}; {_ranks_word(behind)} {'is' if len(behind) == 1 else 'are'} at {low} → "
                          f"{_ranks_word(behind)} {'is' if len(behind) == 1 else 'are'} behind")
-            told = True
-        elif pg == "0" or len(groups) == 1:
-            if all(done >= enq for enq, done, _ in at.values()):
-                lines.append(f"every rank has finished {op} #{top:,}{group}: none waits in a collective")
-            else:
-                lines.append(f"every rank is in {op} #{top:,}{group} and none is behind: the collective itself does "
-                             "not complete (the network, or a rank's device)")
-            told = True
+        else:
+            lines.append(f"every rank has been in {op} #{top:,}{group}{since} and none is behind: the collective "
+                         "itself does not complete (the network, or a rank's device)")
+        told = True
     if not told:
         lines.append("every process group: all ranks at the same collective")
     return lines
+
+
+def fmt_age(seconds: float) -> str:
+    s = max(0.0, seconds)
+    if s < 10:
+        return f"{s:.1f}s"
+    s = int(s)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{(s % 3600) // 60:02d}m"

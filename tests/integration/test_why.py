@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
+from pipeline.train import flight
 from tests.conftest import eagle3, fixture_argv, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -73,6 +75,8 @@ def test_a_stuck_collective_shows_the_waiting_ranks_all_reduce_and_the_sleeping_
         log = tmp_path / ".eagle3" / "logs" / "train.log"
         wait_for(lambda: log.exists() and log.read_text().count("ready") >= 2, timeout=60,
                  what="both ranks to join the group")
+        # a collective entered a moment ago is a run at work (flight.MOVING_S): ask once rank 0 has waited longer
+        time.sleep(flight.MOVING_S + 1)
         out = eagle3("why", "train", "--native", "--config", str(cfg), timeout=60)
     finally:
         eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
@@ -80,7 +84,8 @@ def test_a_stuck_collective_shows_the_waiting_ranks_all_reduce_and_the_sleeping_
     summary = out.stdout.split("\n\n", 1)[0]
     assert "in all_reduce (" in summary and "in slow_rank (collective.py:" in summary, summary
     # the flight recorder each rank dumped on the knock: where each one is, counted by PyTorch
-    assert "collectives: rank 0 waits in all_reduce #4; rank 1 is at #3 → rank 1 is behind" in summary, summary
+    assert re.search(r"collectives: rank 0 waits in all_reduce #4 for [\d.]+s; rank 1 is at #3 → rank 1 is behind",
+                     summary), summary
     assert "rank 1, process group 0: last enqueued #3, last completed #3" in out.stdout
     # --native: the C/C++ frames under the Python ones (the rank waiting in gloo's wait, in libtorch)
     assert re.search(r"\(lib\w*torch\w*\.so", out.stdout), out.stdout[-3000:]

@@ -11,9 +11,13 @@ from pipeline.train import flight
 pytestmark = pytest.mark.timeout(30)
 
 
-def dump(enqueued: int, completed: int, op: str = "nccl:all_reduce", pg: str = "0") -> dict:
+NOW = 1_800_000_000.0
+
+
+def dump(enqueued: int, completed: int, op: str = "nccl:all_reduce", pg: str = "0", entered: float = NOW - 372) -> dict:
     entries = [{"collective_seq_id": n, "pg_id": int(pg), "profiling_name": op if n == enqueued else "nccl:broadcast",
-                "is_p2p": False, "state": "scheduled", "retired": n <= completed} for n in range(1, enqueued + 1)]
+                "is_p2p": False, "state": "scheduled", "retired": n <= completed,
+                "time_created_ns": int((entered - (enqueued - n)) * 1e9)} for n in range(1, enqueued + 1)]
     return {"pg_status": {pg: {"last_enqueued_collective": str(enqueued), "last_completed_collective": str(completed),
                                "last_started_collective": "-1"}}, "entries": entries}
 
@@ -21,16 +25,23 @@ def dump(enqueued: int, completed: int, op: str = "nccl:all_reduce", pg: str = "
 def test_the_rank_behind_is_named_with_the_collective_the_others_wait_in():
     dumps = {r: dump(18245, 18244) for r in range(8)}
     dumps[3] = dump(18244, 18244)
-    assert flight.summarize(dumps) == [
-        "ranks 0–2, 4–7 wait in all_reduce #18,245; rank 3 is at #18,244 → rank 3 is behind"]
+    assert flight.summarize(dumps, NOW) == [
+        "ranks 0–2, 4–7 wait in all_reduce #18,245 for 6m12s; rank 3 is at #18,244 → rank 3 is behind"]
 
 
 def test_all_ranks_in_the_same_collective_blame_the_collective_not_a_rank():
-    assert flight.summarize({0: dump(9, 8), 1: dump(9, 8)}) == [
-        "every rank is in all_reduce #9 and none is behind: the collective itself does not complete (the network, "
-        "or a rank's device)"]
-    assert flight.summarize({0: dump(9, 9), 1: dump(9, 9)}) == [
-        "every rank has finished all_reduce #9: none waits in a collective"]
+    assert flight.summarize({0: dump(9, 8), 1: dump(9, 8)}, NOW) == [
+        "every rank has been in all_reduce #9 for 6m12s and none is behind: the collective itself does not complete "
+        "(the network, or a rank's device)"]
+    assert flight.summarize({0: dump(9, 9), 1: dump(9, 9)}, NOW) == [
+        "every rank has finished all_reduce #9, entered 6m12s ago: none waits in a collective"]
+
+
+def test_a_busy_run_caught_between_two_collectives_is_moving_not_stuck():
+    """Dumps of a healthy run are taken at slightly different instants: a rank one collective ahead, entered a
+    moment ago, is work, not a rank behind."""
+    assert flight.summarize({0: dump(6187, 6186, entered=NOW - 0.1), 1: dump(6186, 6186, entered=NOW - 0.2)},
+                            NOW) == ["collectives are moving: the ranks are at all_reduce #6,186–#6,187, entered 0.1s ago"]
 
 
 def test_a_rank_that_did_not_dump_is_said_and_the_others_still_summarised(tmp_path):
@@ -38,10 +49,10 @@ def test_a_rank_that_did_not_dump_is_said_and_the_others_still_summarised(tmp_pa
     (tmp_path / "rank_2.json").write_text(json.dumps(dump(4, 4)))
     (tmp_path / "rank_1.json").write_text(json.dumps(dump(5, 4)))
     os.utime(tmp_path / "rank_1.json", (100, 100))  # an earlier knock's answer: not this one's
-    lines = flight.summarize(flight.read_dumps(tmp_path, [0, 1, 2, 3], since=1000))
+    lines = flight.summarize(flight.read_dumps(tmp_path, [0, 1, 2, 3], since=1000), NOW)
     assert lines[0].startswith("rank 1: no dump yet (the rank's Python did not run")
     assert lines[1].startswith("rank 3: no dump yet")
-    assert lines[2] == "rank 0 waits in all_reduce #5; rank 2 is at #4 → rank 2 is behind"
+    assert lines[2] == "rank 0 waits in all_reduce #5 for 6m12s; rank 2 is at #4 → rank 2 is behind"
 
 
 def test_a_knock_on_a_fifo_nobody_reads_never_blocks(tmp_path):
