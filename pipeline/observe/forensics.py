@@ -1,22 +1,23 @@
-""""Why is it stuck?": evidence gathered from a stage's own processes at the moment it is asked for (issue 52).
+""""Why is it stuck?": evidence gathered from a stage's own processes at the moment it is asked for.
 
-- the Python stacks of every process of the stage's process group (every rank of a torchrun included), from
-  `py-spy dump` — a real binary, no ptrace code of our own — run in parallel, each bounded in time; where py-spy is
-  missing or has no permission, one line says why, and the rest is still gathered;
-- for a server stage, its own view: `/get_load` where it has one, and the queue and running requests from
-  `/metrics`;
+- the Python stacks of every process of the stage's process group (every rank of a torchrun included, named by
+  its RANK), from `py-spy dump --nonblocking` — a real binary, no ptrace code of our own, never pausing the
+  stage (`native` pauses each process for the milliseconds py-spy reads its C/C++ frames) — run in parallel,
+  each bounded in time; where py-spy is missing or has no permission, one line says why, and the rest is still
+  gathered;
+- for training, the collective each rank is in, from PyTorch's flight recorder (pipeline/train/flight.py);
+- for extraction, the client's own account of its requests in flight (pipeline/observe/probes/client_state.py);
+- for a server stage or the extraction it serves, the server's own view: `/v1/loads`, `/health`, and the queue
+  and running requests from `/metrics`;
 - the last 40 lines of the stage's log.
 
-The whole is bounded (GATHER_BUDGET_S) and written under STATE_DIR/forensics/<run>/<time>-<stage>/evidence.txt;
-`eagle3 why STAGE` prints it. It never raises: what could not be read is a line saying why.
-
-Not yet (issue 52): the extraction client's
-requests in flight, a summary in the alert's thread with the evidence uploaded, and a Show stacks button.
+The whole is bounded (GATHER_BUDGET_S), summarised in a few lines (what the alert's thread shows) and written
+under STATE_DIR/forensics/<run>/<time>-<stage>/evidence.txt; `eagle3 why STAGE` prints it. It never raises: what
+could not be read is a line saying why.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -175,6 +176,38 @@ def _entries(fr_dir: Path, ranks: list[int], last: int = 5) -> str:
     return "\n".join(lines)
 
 
+def _rank(p: psutil.Process) -> str:
+    """" (rank N)" for a torchrun rank (its RANK variable), else ""."""
+    try:
+        rank = p.environ().get("RANK")
+    except (psutil.Error, OSError):
+        return ""
+    return f" (rank {rank})" if rank is not None and rank.isdigit() else ""
+
+
+def client_text(state: dict, now: float) -> str:
+    """The client's own state, as lines a person reads (the summary says what it means)."""
+    flight = state.get("in_flight") or []
+    lines = [f"in flight ({len(flight)}):" + ("" if flight else " none")]
+    lines += [f"  sample {r['sample']} ({r['tokens']:,} tokens) for {fmt_s(now - r['since'])}"
+              + (f", parse worker {r['worker']}" if r.get("worker") else "") for r in flight[:20]]
+    if len(flight) > 20:
+        lines.append(f"  … and {len(flight) - 20} more")
+    written = state.get("last_written")
+    lines += [f"waiting to be sent: {state.get('waiting', 0)}; being stored: {state.get('storing', 0)}; "
+              f"not yet recorded: {state.get('remaining')}",
+              f"in-flight memory: {fmt_bytes(state.get('inflight_bytes') or 0)} of "
+              f"{fmt_bytes(state.get('budget_bytes') or 0)}",
+              f"server reachable: {'yes' if state.get('server_up') else 'no'}; stopping: "
+              f"{'yes' if state.get('stopping') else 'no'}",
+              "last sample written: " + (f"{written['sample']}, {fmt_s(now - written['t'])} ago" if written
+                                         else "none by this process"),
+              f"event loop's last turn: {fmt_s(max(0.0, now - float(state.get('loop_beat') or now)))} before the ask"]
+    lines += [f"parse worker {w['pid']}: {w['requests']} request(s), "
+              + ("running" if w.get("exit") is None else f"ended (exit {w['exit']})") for w in state.get("workers") or []]
+    return "\n".join(lines)
+
+
 def _python(p: psutil.Process) -> bool:
     try:
         return "python" in os.path.basename((p.cmdline() or [""])[0]) or "python" in p.name()
@@ -299,10 +332,10 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
     binary = pyspy_binary()
     if not procs:
         ev.summary.append(f"{stage}: no live process to read (not started, or ended)")
-    listing = []
+    listing, ranks = [], {p.pid: _rank(p) for p in procs}
     for p in procs:
         try:
-            listing.append(f"pid {p.pid} {p.status():<9} {' '.join(p.cmdline())[:200]}")
+            listing.append(f"pid {p.pid}{ranks[p.pid]} {p.status():<9} {' '.join(p.cmdline())[:200]}")
         except psutil.Error as exc:
             listing.append(f"pid {p.pid}: {type(exc).__name__}")
     if listing:
@@ -316,13 +349,13 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
         dumps = list(pool.map(lambda p: (p.pid, *dump_stack(p.pid, binary=binary, timeout_s=min(PYSPY_TIMEOUT_S, left),
                                                             native=native)), pythons))
     reasons = sorted({why for _, _, why in dumps if why})
-    where = [f"pid {pid} in {innermost(text)}" for pid, text, _ in dumps if text and innermost(text)]
+    where = [f"pid {pid}{ranks[pid]} in {innermost(text)}" for pid, text, _ in dumps if text and innermost(text)]
     if where:
         ev.summary.append(f"{stage}: " + "; ".join(where[:8]) + ("; …" if len(where) > 8 else ""))
     for why in reasons:
         ev.summary.append(f"stacks: {why}")
     for pid, text, why in dumps:
-        ev.sections.append((f"stack of pid {pid} (py-spy dump)", text or why or "empty"))
+        ev.sections.append((f"stack of pid {pid}{ranks[pid]} (py-spy dump)", text or why or "empty"))
     if knocked is not None:
         ev.summary += [f"collectives: {line}" for line in _collectives(fr_dir, knocked, knocked_at, started, budget_s)]
         ev.sections.append(("the flight recorder (PyTorch), each rank's last collectives", _entries(fr_dir, knocked)))
@@ -334,7 +367,8 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
         state = _client_state(procs)
         ev.summary[:0] = client_summary(state, server[1] if server else None, clock())
         if state is not None:
-            ev.sections.append(("the extraction client's own state", json.dumps(state, indent=1)))
+            ev.sections.append(("the extraction client's own state",
+                                client_text(state, clock()) if "error" not in state else state["error"]))
     log = ws.log_path(stage)
     tail = tail_lines(log, LOG_LINES)
     ev.sections.append((f"the last {LOG_LINES} lines of {log}", "\n".join(tail) if tail else "(empty or missing)"))

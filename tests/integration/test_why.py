@@ -82,7 +82,7 @@ def test_a_stuck_collective_shows_the_waiting_ranks_all_reduce_and_the_sleeping_
         eagle3("stop", "--all", "--grace", "1", "--config", str(cfg))
     assert out.returncode == 0, out.stderr
     summary = out.stdout.split("\n\n", 1)[0]
-    assert "in all_reduce (" in summary and "in slow_rank (collective.py:" in summary, summary
+    assert "(rank 0) in all_reduce (" in summary and "(rank 1) in slow_rank (collective.py:" in summary, summary
     # the flight recorder each rank dumped on the knock: where each one is, counted by PyTorch
     assert re.search(r"collectives: rank 0 waits in all_reduce #4 for [\d.]+s; rank 1 is at #3 → rank 1 is behind",
                      summary), summary

@@ -144,3 +144,18 @@ def test_the_client_answers_its_state_from_a_thread_and_a_failing_snapshot_says_
         assert ask(os.getpid()) == {"error": "RuntimeError: mid-change"}
     finally:
         told.close()
+
+
+def test_the_client_s_state_reads_as_lines():
+    from pipeline.observe.forensics import client_text
+
+    now = 10_000.0
+    state = {"loop_beat": now - 0.2, "in_flight": [{"sample": 24, "since": now - 6.7, "tokens": 229, "worker": 8604}],
+             "waiting": 8, "storing": 0, "remaining": 36, "budget_bytes": 5.96e9, "inflight_bytes": 6.25e6,
+             "server_up": True, "stopping": False, "last_written": {"sample": 23, "t": now - 6.7},
+             "workers": [{"pid": 8604, "requests": 4, "exit": None}]}
+    assert client_text(state, now).splitlines() == [
+        "in flight (1):", "  sample 24 (229 tokens) for 6s, parse worker 8604",
+        "waiting to be sent: 8; being stored: 0; not yet recorded: 36", "in-flight memory: 6.2 MB of 5.96 GB",
+        "server reachable: yes; stopping: no", "last sample written: 23, 6s ago", "event loop's last turn: 0s before the ask",
+        "parse worker 8604: 4 request(s), running"]
