@@ -159,3 +159,16 @@ def test_the_client_s_state_reads_as_lines():
         "waiting to be sent: 8; being stored: 0; not yet recorded: 36", "in-flight memory: 6.2 MB of 5.96 GB",
         "server reachable: yes; stopping: no", "last sample written: 23, 6s ago", "event loop's last turn: 0s before the ask",
         "parse worker 8604: 4 request(s), running"]
+
+
+def test_no_permission_to_read_a_stack_is_one_line_naming_ptrace_scope(tmp_path):
+    """py-spy's own words when ptrace is refused (a real binary that answers as py-spy does)."""
+    from pipeline.observe.forensics import dump_stack
+
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\necho 'Error: Failed to copy PyInterpreterState from process' >&2\n"
+                   "echo 'Reason: Permission denied (os error 13)' >&2\nexit 1\n")
+    spy.chmod(0o755)
+    text, why = dump_stack(os.getpid(), binary=str(spy))
+    assert text == "" and why.startswith(f"no permission to read process {os.getpid()}'s stack (kernel.yama.ptrace_scope")
+    assert "run eagle3 serve as root or as the stage's user): Reason: Permission denied (os error 13)" in why
