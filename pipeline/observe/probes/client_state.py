@@ -26,6 +26,7 @@ class StateServer:
 
     def __init__(self, pid: int, snapshot: Callable[[], dict]) -> None:
         self.snapshot = snapshot
+        self.thread: threading.Thread | None = None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.bind(address(pid))
@@ -33,7 +34,8 @@ class StateServer:
         except OSError:  # another process of this pid's name (a reused pid's leftover): the state is not told
             self.sock.close()
             return
-        threading.Thread(target=self._serve, name="extract-state", daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, name="extract-state", daemon=True)
+        self.thread.start()
 
     def _serve(self) -> None:
         while True:
@@ -58,6 +60,8 @@ class StateServer:
         except OSError:
             pass
         self.sock.close()
+        if self.thread is not None:  # the name is free once accept() has returned: a next run may bind it
+            self.thread.join(timeout=2.0)
 
 
 def ask(pid: int, *, timeout_s: float = ASK_TIMEOUT_S) -> dict | None:
