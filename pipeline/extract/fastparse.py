@@ -16,6 +16,7 @@ what is wrong with it.
 
 from __future__ import annotations
 
+import bisect
 import json
 
 import numpy as np
@@ -61,16 +62,16 @@ def split(content: bytes) -> tuple[dict, np.ndarray] | None:
         return None
     inner = _skip(content, first + 1)
     if inner < len(content) and content[inner] == ord("["):  # [rows][D] matrix
-        end = content.find(b"]]", inner)  # rows hold no brackets: the first "]]" closes the matrix
-        if end < 0:
+        found = _row_ends(content, inner)  # rows hold no brackets: "]" then "]" closes the matrix
+        if found is None:
             return None
-        span_start, span_end = inner, end + 1  # "[r0],[r1],…,[rN]"
-        after = end + 2
+        starts, ends = found  # "[r0],[r1],…,[rN]"
+        after = _skip(content, ends[-1] + 1) + 1
     else:  # a single-row prefill flattened to [D]
         end = content.find(b"]", first)
         if end < 0:
             return None
-        span_start, span_end = first, end + 1
+        starts, ends = [first], [end]
         after = end + 1
     # what follows the prefill: decode rows ("[…]", flat), then the list's closing bracket
     j = _skip(content, after)
@@ -84,29 +85,48 @@ def split(content: bytes) -> tuple[dict, np.ndarray] | None:
         j = _skip(content, close + 1)
     if j >= len(content) or content[j] != ord("]"):
         return None
-    rows = _matrix(content, span_start, span_end)
+    rows = _matrix(content, starts, ends)
     if rows is None:
         return None
     return json.loads(bytes(content[:outer]) + b"[]" + bytes(content[j + 1:])), rows
 
 
-def _matrix(buf, start: int, end: int) -> np.ndarray | None:
-    """Parse buf[start:end] = "[a,b,…],[c,d,…],…" into [rows, D] float32, every row with D numbers, about
-    CHUNK_BYTES of text at a time, into one array allocated once (no Python float per value, no
-    copy of the text where `buf` is a bytearray: the byte before a chunk and the one after it are
-    turned into brackets for the parse and put back). None where simdjson refuses the text (NaN,
-    Infinity, strings: the caller's json.loads path says what is wrong)."""
+def _row_ends(buf, start: int) -> tuple[list[int], list[int]] | None:
+    """Each row's opening "[" and closing "]" from `start` (the first row's "["), up to the row followed by the
+    matrix's own "]"; None where a row is followed by anything else than "," and a row, or "]" (json.loads
+    decides). One memchr-fast find per row: a search for "]]" reads the whole text at a third of that speed."""
+    starts, ends, pos = [start], [], start
+    while True:
+        c = buf.find(b"]", pos)
+        if c < 0:
+            return None
+        ends.append(c)
+        nxt = _skip(buf, c + 1)
+        if nxt >= len(buf):
+            return None
+        if buf[nxt] == 0x5D:  # "]": the matrix closes
+            return starts, ends
+        row = _skip(buf, nxt + 1)
+        if buf[nxt] != 0x2C or row >= len(buf) or buf[row] != 0x5B:  # "," then "["
+            return None
+        starts.append(row)
+        pos = row + 1
+
+
+def _matrix(buf, starts: list[int], ends: list[int]) -> np.ndarray | None:
+    """Parse the rows of buf, each from its "[" (`starts`) to its "]" (`ends`) — "[a,b,…],[c,d,…],…" — into [rows, D] float32, every row with D numbers, about CHUNK_BYTES of text at a time, into one array
+    allocated once (no Python float per value, no copy of the text where `buf` is a bytearray: the byte before a
+    chunk and the one after it are turned into brackets for the parse and put back). None where simdjson refuses
+    the text (NaN, Infinity, strings: the caller's json.loads path says what is wrong)."""
     import simdjson
 
-    parser, out, i, pos, d = simdjson.Parser(), None, 0, start, None
-    rows_total = buf.count(b"]", start, end)  # every row closes with one "]"
+    parser, out, i, d = simdjson.Parser(), None, 0, None
+    rows_total = len(ends)
     view = memoryview(buf) if isinstance(buf, bytearray) else None
-    while pos < end:
-        o = buf.find(b"[", pos, end)
-        if o < 0:
-            break
-        c = buf.find(b"]", min(o + CHUNK_BYTES, end - 1), end)  # any "]" closes a row: rows hold no brackets
-        c = c if c >= 0 else end - 1
+    while i < rows_total:
+        o = starts[i]
+        j = min(bisect.bisect_left(ends, o + CHUNK_BYTES, lo=i), rows_total - 1)
+        c = ends[j]
         try:
             if view is not None and o > 0 and c + 1 < len(buf):
                 before, after = buf[o - 1], buf[c + 1]
@@ -118,13 +138,12 @@ def _matrix(buf, start: int, end: int) -> np.ndarray | None:
             else:
                 rows = parser.parse(b"[" + bytes(buf[o:c + 1]) + b"]")
             widths = {len(r) if isinstance(r, simdjson.Array) else -1 for r in rows}
-            if len(widths) != 1 or min(widths) <= 0 or (d is not None and d not in widths):
+            k = len(rows)
+            if len(widths) != 1 or min(widths) <= 0 or (d is not None and d not in widths) or k != j - i + 1:
                 raise BadResponse("rows of different widths")
-            d, k = widths.pop(), len(rows)
+            d = widths.pop()
             if out is None:
                 out = np.empty((rows_total, d), dtype=np.float32)
-            if i + k > rows_total:
-                raise BadResponse("meta_info.hidden_states has an unexpected shape")
             with np.errstate(over="ignore"):  # a value beyond float32 becomes inf: refused below
                 # double → float32, rounded as torch.tensor(list, dtype=float32) rounds
                 out[i:i + k] = np.frombuffer(rows.as_buffer(of_type="d"), dtype=np.float64).reshape(k, d)
@@ -132,7 +151,6 @@ def _matrix(buf, start: int, end: int) -> np.ndarray | None:
             del rows
         except (ValueError, TypeError):  # simdjson: not JSON, or not all floats (NaN, strings, integers)
             return None
-        pos = c + 1
     if out is None or i != rows_total:
         raise BadResponse("meta_info.hidden_states has an unexpected shape")
     if not np.isfinite(out).all():

@@ -21,6 +21,7 @@ again on resume).
 from __future__ import annotations
 
 import asyncio
+import http.client
 import itertools
 import json
 import os
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 from pipeline.extract.response import BadResponse
 
@@ -81,30 +83,81 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _request(body: dict, client) -> bytearray | dict:
-    """POST /generate; the answer's bytes, or the reply that tells the client why there are none."""
-    import httpx
+class Http:
+    """One thread's keep-alive connection to the server, reading each answer straight into a bytearray of its
+    Content-Length (`readinto`: one copy from the socket, no chunk list, no parser between): about half httpx's
+    streaming CPU for a 216 MB answer (bench/RESULTS.md, the extraction client's profile)."""
 
+    def __init__(self, server: str, timeout_s: float) -> None:
+        u = urlsplit(server)
+        self.https, self.host, self.port = u.scheme == "https", u.hostname or "127.0.0.1", u.port
+        self.prefix, self.timeout_s = u.path.rstrip("/"), timeout_s
+        self.conn: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=self.timeout_s)
+
+    def post(self, path: str, body: dict) -> tuple[int, bytearray]:
+        """(status, the answer's bytes); a connection the server closed while idle is opened again once."""
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        for attempt in (0, 1):
+            reused = self.conn is not None
+            if self.conn is None:
+                self.conn = self._connect()
+            try:
+                self.conn.request("POST", self.prefix + path, body=raw, headers={"Content-Type": "application/json"})
+                resp = self.conn.getresponse()
+                data = _read_body(resp)
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()
+                if reused and attempt == 0:
+                    continue  # a keep-alive connection the server had closed: once more on a new one
+                raise
+            except BaseException:
+                self.close()
+                raise
+            if resp.will_close:
+                self.close()
+            return resp.status, data
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def _read_body(resp: http.client.HTTPResponse) -> bytearray:
+    length = resp.getheader("Content-Length")
+    if length is None or not length.isdigit():  # chunked, or read to the close
+        return bytearray(resp.read())
+    buf = bytearray(int(length))
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = resp.readinto(view[got:])
+        if not n:
+            raise http.client.IncompleteRead(bytes(view[:got]), len(buf) - got)
+        got += n
+    return buf
+
+
+def _request(body: dict, client: Http) -> bytearray | dict:
+    """POST /generate; the answer's bytes, or the reply that tells the client why there are none."""
     try:
-        with client.stream("POST", "/generate", json=body) as r:
-            if r.status_code >= 400:
-                r.read()
-                return {"http": f"server answered HTTP {r.status_code}: {r.text[:200]}"}
-            content = bytearray()  # grown in place: never the chunk list and its join at once
-            for chunk in r.iter_bytes():
-                content += chunk
-            return content
-    except httpx.TransportError as exc:
+        status, content = client.post("/generate", body)
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut short
         return {"transport": f"{type(exc).__name__}: {exc}"}
+    if status >= 400:
+        return {"http": f"server answered HTTP {status}: {content[:200].decode(errors='replace')}"}
+    return content
 
 
 def _one(spec, req: dict, local, setup: dict, send) -> None:
     from pipeline.extract.storing import DiskError, store_answer
 
     if not hasattr(local, "client"):
-        import httpx
-
-        local.client = httpx.Client(base_url=setup["server"], timeout=setup["timeout_s"])
+        local.client = Http(setup["server"], setup["timeout_s"])
     try:
         t0 = time.monotonic()
         got = _request(req["body"], local.client)
