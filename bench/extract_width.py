@@ -102,7 +102,7 @@ def _client(url: str, data: Path, out: Path, *args: str) -> dict:
     """One `eagle3 extract` run: wall, peak RSS (largest process; client + workers summed) and CPU."""
     t = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "bot.cli", "extract", "--server", url, "--data", str(data),
-                          "--out", str(out), *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                          "--out", str(out), "--target-topk", "20", *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stop, peak = threading.Event(), [0]
     sampler = threading.Thread(target=_tree_rss, args=(p.pid, stop, peak), daemon=True)
     sampler.start()

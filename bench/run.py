@@ -25,6 +25,7 @@ def main() -> int:
         print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     write_block("bench", lines)
     from bench import (  # their own blocks: each refreshes alone with `python -m`
+        client_speed,
         draft_bench,
         forensics_cost,
         tensorboard_read,
@@ -32,6 +33,7 @@ def main() -> int:
         train_kernels,
     )
     topk_cost.main(full=full)
+    client_speed.main(full=full)
     tensorboard_read.main(full=full)
     train_kernels.main(full=full)
     draft_bench.main(full=full)

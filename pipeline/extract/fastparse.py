@@ -6,8 +6,10 @@ text. `json.loads` turns each into a Python float (24 bytes, plus 8 for the list
 that answer) and the client then copies them into a tensor, ~0.43 s of CPU per million floats. Here the prefill matrix is found in the bytes, its brackets blanked, and its numbers parsed by
 simdjson a few megabytes at a time straight into float arrays (`as_buffer`: no Python object per
 value; its conversion is correctly rounded like Python's `float()`, so the values are bit for bit
-those of `json.loads`): ~0.05 s of CPU per million floats against ~0.45 through json.loads; only the rest of the answer (ids, top-K logprobs) goes through
-`json.loads`. Rows are counted and their widths checked from the positions of their brackets.
+those of `json.loads`): ~0.03 s of CPU per million floats against ~0.45 through json.loads — simdjson's
+number parsing is that floor (bench/RESULTS.md, the client's profile); only the rest of the answer (ids, top-K
+logprobs) goes through `json.loads`. Rows are found with one memchr-fast find each, counted and their widths
+checked.
 
 An answer laid out otherwise than SGLang's (`"hidden_states": [[[…], …], […], …]`, or a flat
 single-row prefill `[[…], …]`) returns None: the caller falls back to `json.loads`, which reports

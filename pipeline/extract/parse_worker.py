@@ -1,9 +1,9 @@
 """Parse workers: the extraction's requests, parsing, checking and writing in processes of their own.
 
 The client's request loop holds the GIL while it reads answers; at the target's width (H = 7,168,
-3 aux layers: 216 MB of JSON for 512 tokens) receiving an answer costs ~0.05 s and parsing and
-writing it ~0.10 s of CPU per million floats, so one process caps a run at ~7 million floats a
-second. With `--parse-workers N` the client keeps the run's bookkeeping (which sample goes when,
+3 aux layers: 216 MB of JSON for 512 tokens) receiving an answer costs ~0.014 s and parsing and
+writing it ~0.04–0.05 s of CPU per million floats (bench/RESULTS.md, the client's profile), so one
+process caps a run at ~15–18 million floats a second. With `--parse-workers N` the client keeps the run's bookkeeping (which sample goes when,
 the memory budget, retries, the manifest) and hands each admitted sample to one of N worker
 processes (`python -m pipeline.extract.parse_worker`), which sends the request to the server
 itself, then runs `storing.store_answer` on the answer — the function the client's threads run —

@@ -87,3 +87,13 @@ def test_a_bytearray_is_parsed_in_place_and_left_as_it_was(monkeypatch):
     before = bytes(body)
     _, rows = split(body)
     assert np.array_equal(rows, x.numpy()) and bytes(body) == before
+
+
+def test_rows_split_by_newlines_parse_and_a_row_followed_by_junk_goes_to_json_loads():
+    """Rows are found one "]" at a time: any whitespace between them is read; anything else than "," and a row,
+    or the matrix's "]", is not SGLang's layout."""
+    body = b'{"meta_info": {"hidden_states": [[[1.5, 2.5],\n  [3.5, 4.5]\n], [0.25, 0.25]]}}'
+    _, rows = split(body)
+    assert rows.tolist() == [[1.5, 2.5], [3.5, 4.5]]
+    assert split(b'{"meta_info": {"hidden_states": [[[1.5, 2.5] x [3.5, 4.5]]]}}') is None
+    assert split(b'{"meta_info": {"hidden_states": [[[1.5, 2.5], 7]]}}') is None
