@@ -136,9 +136,9 @@ def test_a_whole_demo_run_told_in_a_channel(tmp_path):
                      r"[1-9]\d*, queues 0: the server holds them; the last sample written \d+s ago", said), said
     kept = sorted((tmp_path / "ws" / ".eagle3" / "forensics").rglob("evidence.txt"))
     assert kept and "=== the extraction client's own state ===" in kept[0].read_text()
-    # the client is blocked in a read: its parse worker's request threads wait in httpx's read of the server's
+    # the client is blocked in a read: its parse worker's request threads wait in a socket read of the server's
     # answer, from py-spy's real output
-    assert re.search(r"pid \d+ in [^;]*\d threads? in SyncStream\.read \(httpcore/", said), said
+    assert re.search(r"pid \d+ in [^;]*\d threads? in SocketIO\.readinto \(socket\.py:", said), said
     # the escalation: a reply in the alert's thread, broadcast, mentioning on-call; resolved in place with the alert
     assert escalation.get("reply_broadcast") in (True, "true", "1", 1) and "<@UONCALL>" in escalation["text"]
     escalation_ts = ts_of(escalation)
