@@ -92,7 +92,7 @@ class Controller:
         if stage not in STAGE_NAMES:
             raise StageError(f"unknown stage {stage!r}; choose one of {', '.join(STAGE_NAMES)}")
 
-    def start(self, stage: str, *, force: bool = False, fresh: bool = False, by: str = "cli") -> dict:
+    def start(self, stage: str, *, force: bool = False, fresh: bool = False, by: str = "cli") -> StageProc:
         """Start a stage; training only once extraction is verified complete (or forced, audited).
         Training resumes from its --out's checkpoint; `fresh` moves an earlier training's files aside
         first (OUT/previous/<time>/), so that it starts at step 1."""
@@ -249,7 +249,7 @@ class Controller:
         return None
 
     @staticmethod
-    def owner(proc: dict) -> str:
+    def owner(proc: StageProc) -> str:
         """Who runs a stage process, in words ('pid 4242' or 'Slurm job 17 on gpu-017')."""
         return proc.who
 

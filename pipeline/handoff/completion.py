@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline.config import Workspace
 from pipeline.manifest import summarize
 from pipeline.observe.done import source_of
-from pipeline.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.states import MAYBE_ALIVE_STATES, StageProc, StageState
 from pipeline.store import Store
 
 
@@ -119,7 +119,7 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     return c
 
 
-def _by_final_verdict(c: Completion, store: Store, proc: dict) -> Completion:
+def _by_final_verdict(c: Completion, store: Store, proc: StageProc) -> Completion:
     """Another tool's extraction (progress from its files, its log or its JSON lines; no manifest to verify):
     complete when the monitor observed its end and judged it done — exit 0, its progress at its total, the
     failed share within the maximum, its done_when met — and the total is known."""

@@ -14,7 +14,7 @@ from pipeline.errors import StageError
 from pipeline.stages import slurm
 from pipeline.stages.host import StopResult, stage_env
 from pipeline.stages.logfile import rotate_in_place
-from pipeline.states import StageState, close_run_after_training, transition
+from pipeline.states import StageProc, StageState, close_run_after_training, transition
 from pipeline.store import Store
 
 SUBMIT_WINDOW_S = 60.0  # a job row with no id and no job of its name after this was never submitted
@@ -28,7 +28,7 @@ class SlurmExecutor:
     def __init__(self, *, workspace: Workspace, store: Store, host) -> None:
         self.ws, self.store, self.host = workspace, store, host
 
-    def reconcile(self, proc: dict) -> None:
+    def reconcile(self, proc: StageProc) -> None:
         """A Slurm job's row from what the cluster says: queued (with Slurm's reason), running, or ended
         with its exit code and Slurm's reason. A job the cluster no longer knows is unknown, never running."""
         if not proc.job_id:
@@ -73,7 +73,7 @@ class SlurmExecutor:
             transition(self.store, proc, StageState.UNKNOWN, reason=f"Slurm job {proc.job_id} is in state "
                                                                     f"{info.state or '?'}")
 
-    def submit(self, stage: str, proc_id: int) -> dict:
+    def submit(self, stage: str, proc_id: int) -> StageProc:
         """sbatch the stage's generated script; the row gets the job id, then the job's state."""
         proc = self.store.proc(proc_id)
         ws = self.ws.for_run(proc.run_id)
@@ -96,7 +96,7 @@ class SlurmExecutor:
         self.reconcile(proc)
         return self.store.proc(proc_id)
 
-    def stop(self, proc: dict, *, grace_s: float) -> StopResult:
+    def stop(self, proc: StageProc, *, grace_s: float) -> StopResult:
         """scancel --signal=TERM --full (the batch script and its steps), the grace, then scancel; a
         pending job is cancelled at once. Stopped once Slurm reports the job ended."""
         self.store.update_proc(proc.id, stop_requested=1)
@@ -119,7 +119,7 @@ class SlurmExecutor:
         self.reconcile(proc)
         return result
 
-    def _wait_job(self, proc: dict, timeout_s: float) -> bool:
+    def _wait_job(self, proc: StageProc, timeout_s: float) -> bool:
         deadline = self.host.clock() + timeout_s
         while True:
             info = slurm.query(proc.job_id)

@@ -49,7 +49,7 @@ class Supervisor:
             if proc and proc.state in MAYBE_ALIVE_STATES:
                 self._reconcile(proc)
 
-    def _reconcile(self, proc: dict) -> None:
+    def _reconcile(self, proc: StageProc) -> None:
         if proc.is_job:
             self.jobs.reconcile(proc)
             return
@@ -72,10 +72,10 @@ class Supervisor:
                 transition(self.store, proc, target, ended_at=self.host.clock(),
                            reason="the stage ended while no runner was watching; exit status unknown")
 
-    def _runner_alive(self, proc: dict) -> bool:
+    def _runner_alive(self, proc: StageProc) -> bool:
         return self.host.identity(proc.runner_pid, proc.runner_create_time) == "alive"
 
-    def _close_if_never_started(self, proc: dict) -> bool:
+    def _close_if_never_started(self, proc: StageProc) -> bool:
         """A row with no pid whose runner is gone, or that no runner took up, for
         RUNNER_START_TIMEOUT_S never started its stage: close it (exited, no exit code) so that
         a start or the handoff may launch the stage again. A runner takes its row up in the
@@ -200,7 +200,7 @@ class Supervisor:
             self.host.sleep(0.1)
         return True
 
-    def _await_exit_record(self, proc: dict) -> None:
+    def _await_exit_record(self, proc: StageProc) -> None:
         """Give the runner a moment to record the exit status; record it ourselves if it cannot."""
         deadline = self.host.clock() + 3.0
         while self.host.clock() < deadline:
@@ -240,7 +240,7 @@ def claim_row(store: Store, proc_id: int, *, runner_pid: int, runner_create_time
     return store.proc(proc_id)
 
 
-def record_exit(store: Store, proc_id: int, *, returncode: int, now: float, reason: str = "") -> dict:
+def record_exit(store: Store, proc_id: int, *, returncode: int, now: float, reason: str = "") -> StageProc:
     """Record how a stage's process ended (called by its runner); close the run after training."""
     proc = store.proc(proc_id)
     fields = {"ended_at": now, "exit_code": returncode if returncode >= 0 else None,
