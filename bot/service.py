@@ -109,7 +109,7 @@ _threads = threading.local()
 
 
 def thread_store(ws: Workspace):
-    """This thread's connection to the workspace's store, opened once and kept (issue 36): each delivery pass,
+    """This thread's connection to the workspace's store, opened once and kept: each delivery pass,
     transport record or warning reuses it instead of opening the store (and running its integrity check, a pass
     over the whole file) again. serve checks the store once at start."""
     stores = getattr(_threads, "stores", None)

@@ -43,7 +43,7 @@ class Automation:
         regen = self.store.latest_proc("regenerate", run=run)
         if not regen or regen.state != StageState.EXITED or regen.exit_code != 0:
             return
-        key, refused = f"chain:{run}:extract", f"chain:{run}:refused:{regen.id}"
+        key, refused = KV.chain(run, "extract"), KV.chain(run, "refused", regen.id)
         if self.store.latest_proc("extract", run=run) or self.store.get(key) or self.store.get(refused):
             return  # checked once per regeneration: its files do not change after it exited
         ok, why = regenerate_complete(self.ws.resolve(cfg.out), max_failed_share=self.ws.config.handoff.max_failed_share)

@@ -98,7 +98,7 @@ def summarize(out_dir: Path) -> dict:
             "tokens_done": done[1] + failed[1], "tokens_total": as_int("tokens_total"), "unit": "samples",
             "tokens_sq_done": done[2] + failed[2] if sq_total is not None else None, "tokens_sq_total": sq_total,
             "layers": as_int("layers"), "hidden_size": as_int("hidden_size"),
-            # answers in memory at the client, and its budget (absent from manifests before issue 17)
+            # answers in memory at the client, and its budget (absent from manifests of clients before 2026-12-03)
             "inflight_bytes": as_int("inflight_bytes"), "max_inflight_bytes": as_int("max_inflight_bytes"),
             "run": meta.get("run") or None,  # the run whose extraction last wrote it (EAGLE3_RUN), where known
             # the done samples' request latencies: raw sums per length bin (LATENCY_SUMS, in order), from which

@@ -117,7 +117,8 @@ def _family(prefix: str) -> staticmethod:
 
 
 class KV:
-    """Every key of the kv table, spelled once (issue 36): callers name a family, never write a key.
+    """Every key of the kv table, spelled once (a key built in two places drifts): callers name a family, never
+    write a key.
 
     Single entries are constants; families are functions of what they are about. The notifier's console
     transport keeps its own copy of its families under a prefix (`Notifier.k`)."""
@@ -146,6 +147,7 @@ class KV:
     previewed = _family("previewed:")  # (run) the data's template preview was posted in the run's thread
     step_told = _family("step-told:")  # (run) the last handoff step told in the run's thread (one reply a step)
     final_status = _family("final-status:")  # (run) its status post was given its final render
+    chain = _family("chain:")  # (run, "extract") regeneration's extraction started; (run, "refused", proc id) refused
     restarting = _family("restarting:")  # (stage) a restart by hand under way {of: proc id, t}: its stop is no ending
 
 

@@ -232,10 +232,10 @@ def standard_scenarios(samples: int = 3000) -> list[Scenario]:
         Scenario("checkpoint-pauses", samples=samples, stage="train", overhead_s=0.8, per_token_s=0.0,
                  checkpoint_every=500, checkpoint_s=360, seed=3),
         Scenario("slow-disk", samples=samples, slow_from_s=1500, seed=4),
-        # issue 31: 4–7 min prefills at 640 W, then 20 s of the client parsing the answer, GPUs quiet
+        # a giant prompt: 4–7 min prefills at 640 W, then 20 s of the client parsing the answer, GPUs quiet
         Scenario("giant-prefill-parse", samples=samples, giant_every=400, giant_s=330, parse_tail_s=20,
                  busy_power_w=640.0, seed=10),
-        # issue 31's other transitions: answers in bursts of 256 (about 4.5 min apart), each ending with 20 s of
+        # the other quiet transitions of a healthy run: answers in bursts of 256 (about 4.5 min apart), each ending with 20 s of
         # GPUs quiet while the client parses; training whose validation passes (rank 0) start with 90 s of
         # loading the validation set (a core busy, its GPU idle); training whose checkpoint writes end with
         # 40 s in which nothing is written. Ranks 1–7 spin at the next collective through both.
