@@ -9,7 +9,7 @@ from pipeline.errors import UserError
 from pipeline.handoff.machine import ARMED, WAITING, Handoff, handoff_state
 from pipeline.regenerate import complete as regenerate_complete
 from pipeline.stages.supervisor import Supervisor
-from pipeline.states import StageState
+from pipeline.states import StageState, backoff_due, record
 from pipeline.store import KV, Store
 
 
@@ -85,8 +85,8 @@ class Automation:
                 self._give_up(proc, f"{stage} died ({proc.reason}) and has been restarted {count} time(s), its limit")
                 continue
             if proc.restart_due is None:  # its backoff, recorded once
-                proc.restart_due = (proc.ended_at or self.clock()) + cfg.restart_backoff_s * 2 ** count
-                self.store.update_proc(proc.id, restart_due=proc.restart_due)
+                record(self.store, proc, restart_due=backoff_due(proc.ended_at or self.clock(), cfg.restart_backoff_s,
+                                                                 count))
             if self.clock() < proc.restart_due:
                 continue
             try:

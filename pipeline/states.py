@@ -28,7 +28,8 @@ MAYBE_ALIVE_STATES = frozenset({StageState.QUEUED, StageState.RUNNING, StageStat
 class StageProc:
     """One stage-process row, as the store returns it: every column declared once, the state typed.
 
-    Mutable in one place only: `transition` moves it (and the store's row) to a new state."""
+    Mutable in one place only, this module: `transition` moves it (and the store's row) to a new state, and
+    `record` writes its other fields on both."""
 
     id: int
     stage: str
@@ -125,6 +126,19 @@ _EDGES = {
     (StageState.RUNNING, StageState.QUEUED),  # RUNNING -> QUEUED: Slurm requeued the job
     (StageState.UNKNOWN, StageState.QUEUED),  # UNKNOWN -> QUEUED: the cluster answers again
 }
+
+
+def backoff_due(ended_at: float, base_s: float, tries_before: int) -> float:
+    """When the next try may start after one that ended at `ended_at`: `base_s`, doubled for each try before it (the
+    restart policy's and the handoff's launch attempts' one formula)."""
+    return ended_at + base_s * 2 ** tries_before
+
+
+def record(store, proc: StageProc, **values) -> None:
+    """Fields of the process that are not its state (a Slurm job's id and host, a stop asked for, the restart
+    policy's backoff), written to its row and to this copy together."""
+    store.update_proc(proc.id, **values)
+    proc.update(**values)
 
 
 def transition(store, proc: StageProc, to: StageState, *, reason: str = "", **values) -> None:

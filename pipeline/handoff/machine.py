@@ -20,7 +20,7 @@ from pipeline.handoff import completion
 from pipeline.observe.done import finished
 from pipeline.stages.host import port_free
 from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor
-from pipeline.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.states import MAYBE_ALIVE_STATES, StageState, backoff_due
 from pipeline.store import KV, Store
 from pipeline.train.export import draft_note
 
@@ -279,7 +279,7 @@ class Handoff:
                 self._set(FAILED, reason)
                 return
             if attempts:
-                due = (attempts[-1].ended_at or 0) + cfg.launch_backoff_s * 2 ** (len(attempts) - 1)
+                due = backoff_due(attempts[-1].ended_at or 0, cfg.launch_backoff_s, len(attempts) - 1)
                 if self.clock() < due:
                     self._note(f"launch attempt {len(attempts)} of {cfg.launch_attempts} failed "
                                f"({attempts[-1].reason}); retrying in {due - self.clock():.0f} s", step=LAUNCHING)

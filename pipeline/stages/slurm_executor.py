@@ -14,7 +14,7 @@ from pipeline.errors import StageError
 from pipeline.stages import slurm
 from pipeline.stages.host import StopResult, stage_env
 from pipeline.stages.logfile import rotate_in_place
-from pipeline.states import StageProc, StageState, close_run_after_training, transition
+from pipeline.states import StageProc, StageState, close_run_after_training, record, transition
 from pipeline.store import Store
 
 SUBMIT_WINDOW_S = 60.0  # a job row with no id and no job of its name after this was never submitted
@@ -39,8 +39,7 @@ class SlurmExecutor:
                            reason=f"cannot ask Slurm about job {proc.job_name}: {exc}")
                 return
             if found:
-                self.store.update_proc(proc.id, job_id=found[0])
-                proc.job_id = found[0]
+                record(self.store, proc, job_id=found[0])
                 if proc.stop_requested:  # stopped while its id was unknown: the stop applies to it now
                     slurm.cancel(found[0])
             else:
@@ -58,8 +57,7 @@ class SlurmExecutor:
                        reason=f"queued: Slurm job {proc.job_id} is {info.state} ({info.reason or 'waiting to be scheduled'})")
         elif info.active:
             if info.host and proc.job_host != info.host:
-                self.store.update_proc(proc.id, job_host=info.host)
-                proc.job_host = info.host
+                record(self.store, proc, job_host=info.host)
             transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc.job_id} is {info.state}")
             state = self.ws.config.state  # the job appends to the stage's log; it is rotated here, as the runner does
             rotate_in_place(Path(proc.log or self.ws.log_path(proc.stage)), max_bytes=state.log_max_bytes,
@@ -99,8 +97,7 @@ class SlurmExecutor:
     def stop(self, proc: StageProc, *, grace_s: float) -> StopResult:
         """scancel --signal=TERM --full (the batch script and its steps), the grace, then scancel; a
         pending job is cancelled at once. Stopped once Slurm reports the job ended."""
-        self.store.update_proc(proc.id, stop_requested=1)
-        proc.stop_requested = 1
+        record(self.store, proc, stop_requested=1)
         self.store.add_event(kind="stop-requested", run_id=proc.run_id, stage=proc.stage,
                              data={"grace_s": grace_s, "job_id": proc.job_id})
         result = StopResult(stage=proc.stage, was_running=True)
