@@ -25,6 +25,7 @@ from pipeline.errors import UserError
 from pipeline.manifest import summarize
 from pipeline.monitor import Monitor
 from pipeline.observe.charts import render_run
+from pipeline.states import GPU_WAIT, LAUNCHING
 from pipeline.toy.demo_workspace import write_demo_workspace
 from pipeline.train.export import launch_line
 
@@ -188,7 +189,7 @@ def _summary(root: Path, ws, started: float) -> None:
     _say("\nsummary")
     _say(f"  samples: {done} extracted, {failed} failed; {nbytes / 1e6:.1f} MB of hidden states")
     _say("  time per stage: " + ", ".join(f"{s} {d:.0f} s" for s, d in dur.items()))
-    marks = [("server stopped", steps.get("waiting-for-gpu-release")), ("GPUs released", steps.get("launching-training")),
+    marks = [("server stopped", steps.get(GPU_WAIT)), ("GPUs released", steps.get(LAUNCHING)),
              ("training's first step observed", first_step)]
     _say("  handoff after extraction completed: " + ", ".join(
         f"{name} +{t - completion:.1f} s" for name, t in marks if t))

@@ -17,11 +17,12 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from pipeline.config import Workspace
+from pipeline.states import HandoffStep
 from pipeline.verdict import VERDICTS
 
 log = logging.getLogger("eagle3.metrics")
-HANDOFF_STEPS = ("off", "armed", "waiting-for-completion", "stopping-server", "waiting-for-gpu-release",
-                 "launching-training", "training-running", "training-done", "training-failed", "failed")
+# a cancelled handoff reads "off" (auto-start is off again)
+HANDOFF_STEPS = ("off", *(str(s) for s in HandoffStep if s is not HandoffStep.CANCELLED))
 
 
 class StoreCollector:

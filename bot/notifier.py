@@ -31,11 +31,12 @@ from handlers.render.blocks import choice_note, final_blocks, status_blocks, tex
 from handlers.render.views import tau_text
 from handlers.verbs import LABELS, STATUS_ACTIONS
 from pipeline.config import PLACEHOLDER, STAGE_NAMES, Workspace
-from pipeline.handoff.machine import TRAINING, TRAINING_DONE, TRAINING_FAILED, handoff_state
+from pipeline.handoff.machine import handoff_state
 from pipeline.manifest import mass_line
 from pipeline.observe import forensics
 from pipeline.observe.charts import alt_text, render_run
 from pipeline.prepare import read_meta
+from pipeline.states import TRAINING, TRAINING_DONE, TRAINING_FAILED
 from pipeline.status import RunStatus
 from pipeline.store import KV, Store
 from pipeline.verdict import Verdict

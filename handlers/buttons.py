@@ -30,7 +30,7 @@ from handlers.render.views import SLASH, autostart_text, slack_time, stop_text
 from handlers.slash import answer, train_later
 from handlers.verbs import LABELS, STATUS_ACTIONS
 from pipeline.errors import UserError
-from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE
+from pipeline.states import CANCELLABLE, TRAINING, TRAINING_DONE
 
 
 def register(app, *, controller_factory, ws) -> None:

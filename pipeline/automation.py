@@ -6,10 +6,10 @@ import time
 
 from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import UserError
-from pipeline.handoff.machine import ARMED, WAITING, Handoff, handoff_state
+from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.regenerate import complete as regenerate_complete
 from pipeline.stages.supervisor import Supervisor
-from pipeline.states import StageState, backoff_due, record
+from pipeline.states import ARMED, WAITING, StageState, backoff_due, record
 from pipeline.store import KV, Store
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
-from pipeline.handoff.machine import CANCELLABLE, Handoff, handoff_state
+from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.observe import forensics
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
-from pipeline.states import MAYBE_ALIVE_STATES, StageProc, StageState
+from pipeline.states import CANCELLABLE, CANCELLED, MAYBE_ALIVE_STATES, StageProc, StageState
 from pipeline.status import READING_KEYS, RunStatus, StageStatus
 from pipeline.store import KV, Store
 from pipeline.train.outdir import set_aside
@@ -355,7 +355,7 @@ class Controller:
         handoff = handoff_state(self.store)
         return RunStatus(
             run=self.store.current_run(), monitor="running" if monitored else "not running",
-            autostart="off" if not handoff or handoff["step"] == "cancelled" else handoff["step"],
+            autostart="off" if not handoff or handoff["step"] == CANCELLED else handoff["step"],
             autostart_reason=(handoff or {}).get("reason"), outbox=self.store.outbox_summary(),
             transport=self._transport(monitored), slack_auth=self.store.get(KV.SLACK_AUTH) if monitored else None,
             config_changed=self.store.get(KV.CONFIG_CHANGED) if monitored else None,

@@ -166,3 +166,59 @@ def close_run_after_training(store, proc: StageProc, target: StageState) -> None
     if (proc.stage == "train" and target == StageState.EXITED and proc.exit_code == 0
             and proc.run_id == store.current_run()):
         store.close_run(proc.run_id, reason="training finished (exit 0)")
+
+
+class HandoffStep(StrEnum):
+    """A step of the handoff, as stored (kv `handoff`.step) and shown. A str: it compares as its value."""
+
+    ARMED = "armed"
+    WAITING = "waiting-for-completion"
+    STOPPING = "stopping-server"
+    GPU_WAIT = "waiting-for-gpu-release"
+    LAUNCHING = "launching-training"
+    TRAINING = "training-running"
+    TRAINING_DONE = "training-done"
+    TRAINING_FAILED = "training-failed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def cancellable(self) -> bool:
+        """Before a training process exists the handoff can be cancelled; LAUNCHING included: a
+        launch that completes after the cancel is stopped at once (see `_launching`)."""
+        return self in (HandoffStep.ARMED, HandoffStep.WAITING, HandoffStep.STOPPING, HandoffStep.GPU_WAIT,
+                        HandoffStep.LAUNCHING)
+
+    @property
+    def followed(self) -> bool:
+        """A step the tick advances (TRAINING: until training ends)."""
+        return self.cancellable or self is HandoffStep.TRAINING
+
+    @property
+    def final(self) -> bool:
+        """The handoff has ended: nothing advances it any more."""
+        return not self.followed
+
+
+ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING, TRAINING = (
+    HandoffStep.ARMED, HandoffStep.WAITING, HandoffStep.STOPPING, HandoffStep.GPU_WAIT, HandoffStep.LAUNCHING,
+    HandoffStep.TRAINING)
+FAILED, CANCELLED = HandoffStep.FAILED, HandoffStep.CANCELLED
+TRAINING_DONE, TRAINING_FAILED = HandoffStep.TRAINING_DONE, HandoffStep.TRAINING_FAILED
+CANCELLABLE = frozenset(s for s in HandoffStep if s.cancellable)
+FOLLOWED = frozenset(s for s in HandoffStep if s.followed)
+# The handoff's edges, as the stages have theirs (above): the handoff's `_set` refuses any other.
+# None is "no handoff of this run" (off, or a finished one of an earlier run): arming starts from it.
+HANDOFF_EDGES = {
+    (None, ARMED),
+    (ARMED, WAITING),  # the run's extraction is watched
+    (WAITING, STOPPING),  # extraction verified complete
+    (WAITING, CANCELLED),  # training was started by hand: auto-start stands down
+    (STOPPING, GPU_WAIT),  # the server stopped
+    (GPU_WAIT, LAUNCHING),  # the GPUs released
+    (LAUNCHING, TRAINING),  # training launched, exactly once
+    (TRAINING, TRAINING_DONE), (TRAINING, TRAINING_FAILED),
+    (TRAINING, CANCELLED),  # training stopped on request
+    *((s, CANCELLED) for s in CANCELLABLE),  # cancelled by an operator before training exists
+    *((s, FAILED) for s in FOLLOWED),  # a step could not be taken (its reason says why)
+}

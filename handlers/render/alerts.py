@@ -6,6 +6,7 @@ import re
 
 from handlers.render.redact import redact
 from handlers.render.views import ago, slack_time
+from pipeline.states import TRAINING_DONE, TRAINING_FAILED
 from pipeline.verdict import StoredVerdict, Verdict
 
 ACTION_LOGS, ACTION_SNOOZE, ACTION_ACK = "eagle3_show_logs", "eagle3_snooze", "eagle3_ack"
@@ -17,7 +18,7 @@ def mention(user_ids: list[str]) -> str:
     return " ".join(f"<@{u}>" for u in user_ids)
 
 
-ENDINGS = ("training-done", "training-failed")  # handoff steps that end a run: broadcast to the channel
+ENDINGS = (TRAINING_DONE, TRAINING_FAILED)  # handoff steps that end a run: broadcast to the channel
 
 
 def who_as_mentions(text: str) -> str:
@@ -53,7 +54,7 @@ def _event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), 
             return "ending", f":tada: *{stage} is done*{on}{took}\n{evidence}", "run"
         return None  # a requested stop, a start, progressing ↔ slow: no message
     if kind == "handoff" and d.get("step") in ENDINGS:
-        icon = ":tada:" if d["step"] == "training-done" else ":x:"
+        icon = ":tada:" if d["step"] == TRAINING_DONE else ":x:"
         return "ending", f"{icon} auto-start: *{d['step']}*{on}{took} — {d['reason']}", "run"
     if kind == "handoff":
         return "handoff", f"auto-start: *{d['step']}* — {d['reason']}", "run"

@@ -16,8 +16,8 @@ from slack_sdk.models.blocks import (
 )
 
 from handlers.render.views import ago, plain_times, run_label, slack_time, tau_text
-from pipeline.handoff.machine import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
 from pipeline.manifest import mass_line
+from pipeline.states import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
 from pipeline.status import RunStatus, StageStatus
 from pipeline.train.outdir import accepted_length
 from pipeline.verdict import fmt_bytes

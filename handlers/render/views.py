@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from pipeline.manifest import mass_line
+from pipeline.states import TRAINING
 from pipeline.status import RunStatus, StageStatus
 from pipeline.verdict import Verdict, fmt_bytes
 
@@ -290,7 +291,7 @@ def server_holds_gpus_text(exc, *, cmd: str = CLI) -> str:
 
 def autostart_refused(on: bool, result: dict) -> bool:
     """True when `autostart off` could not do what was asked (training already runs): exit 2."""
-    return not on and not result["changed"] and (result["state"] or {}).get("step") == "training-running"
+    return not on and not result["changed"] and (result["state"] or {}).get("step") == TRAINING
 
 
 def autostart_text(on: bool, result: dict, *, cmd: str = CLI) -> str:

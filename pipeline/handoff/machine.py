@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import time
-from enum import StrEnum
 
 from pipeline.config import Workspace
 from pipeline.errors import UserError
@@ -20,67 +19,30 @@ from pipeline.handoff import completion
 from pipeline.observe.done import finished
 from pipeline.stages.host import port_free
 from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor
-from pipeline.states import MAYBE_ALIVE_STATES, StageState, backoff_due
+from pipeline.states import (  # the handoff's steps and edges live on the floor, beside StageProc
+    ARMED,
+    CANCELLABLE,
+    CANCELLED,
+    FAILED,
+    FOLLOWED,
+    GPU_WAIT,
+    HANDOFF_EDGES,
+    LAUNCHING,
+    MAYBE_ALIVE_STATES,
+    STOPPING,
+    TRAINING,
+    TRAINING_DONE,
+    TRAINING_FAILED,
+    WAITING,
+    HandoffStep,
+    StageState,
+    backoff_due,
+)
 from pipeline.store import KV, Store
 from pipeline.train.export import draft_note
 
-
-class HandoffStep(StrEnum):
-    """A step of the handoff, as stored (kv `handoff`.step) and shown. A str: it compares as its value."""
-
-    ARMED = "armed"
-    WAITING = "waiting-for-completion"
-    STOPPING = "stopping-server"
-    GPU_WAIT = "waiting-for-gpu-release"
-    LAUNCHING = "launching-training"
-    TRAINING = "training-running"
-    TRAINING_DONE = "training-done"
-    TRAINING_FAILED = "training-failed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def cancellable(self) -> bool:
-        """Before a training process exists the handoff can be cancelled; LAUNCHING included: a
-        launch that completes after the cancel is stopped at once (see `_launching`)."""
-        return self in (HandoffStep.ARMED, HandoffStep.WAITING, HandoffStep.STOPPING, HandoffStep.GPU_WAIT,
-                        HandoffStep.LAUNCHING)
-
-    @property
-    def followed(self) -> bool:
-        """A step the tick advances (TRAINING: until training ends)."""
-        return self.cancellable or self is HandoffStep.TRAINING
-
-    @property
-    def final(self) -> bool:
-        """The handoff has ended: nothing advances it any more."""
-        return not self.followed
-
-
-ARMED, WAITING, STOPPING, GPU_WAIT, LAUNCHING, TRAINING = (
-    HandoffStep.ARMED, HandoffStep.WAITING, HandoffStep.STOPPING, HandoffStep.GPU_WAIT, HandoffStep.LAUNCHING,
-    HandoffStep.TRAINING)
-FAILED, CANCELLED = HandoffStep.FAILED, HandoffStep.CANCELLED
-TRAINING_DONE, TRAINING_FAILED = HandoffStep.TRAINING_DONE, HandoffStep.TRAINING_FAILED
-CANCELLABLE = frozenset(s for s in HandoffStep if s.cancellable)
-FOLLOWED = frozenset(s for s in HandoffStep if s.followed)
 KEY = KV.HANDOFF
 RESTART_WAIT_S = 900.0  # how long a restart by hand may take (its stop waits for a checkpoint) before it is an end
-# The handoff's edges, as the stages have theirs (pipeline/states.py): `_set` refuses any other.
-# None is "no handoff of this run" (off, or a finished one of an earlier run): arming starts from it.
-_EDGES = {
-    (None, ARMED),
-    (ARMED, WAITING),  # the run's extraction is watched
-    (WAITING, STOPPING),  # extraction verified complete
-    (WAITING, CANCELLED),  # training was started by hand: auto-start stands down
-    (STOPPING, GPU_WAIT),  # the server stopped
-    (GPU_WAIT, LAUNCHING),  # the GPUs released
-    (LAUNCHING, TRAINING),  # training launched, exactly once
-    (TRAINING, TRAINING_DONE), (TRAINING, TRAINING_FAILED),
-    (TRAINING, CANCELLED),  # training stopped on request
-    *((s, CANCELLED) for s in CANCELLABLE),  # cancelled by an operator before training exists
-    *((s, FAILED) for s in FOLLOWED),  # a step could not be taken (its reason says why)
-}
 MAX_STEPS_PER_TICK = len(FOLLOWED) + 1  # a tick may walk the whole chain, never loop
 
 
@@ -119,7 +81,7 @@ class Handoff:
         with self.store.atomic():
             old = self.state() or {}
             frm = HandoffStep(old["step"]) if old.get("step") else None
-            if frm != step and (frm, HandoffStep(step)) not in _EDGES:
+            if frm != step and (frm, HandoffStep(step)) not in HANDOFF_EDGES:
                 raise AssertionError(f"illegal handoff transition {frm} -> {step}")
             run = old.get("run") or self.store.current_run()
             state = {**old, **fields, "run": run, "step": step, "reason": reason, "step_at": self.clock()}

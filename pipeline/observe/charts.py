@@ -24,6 +24,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pipeline.states import LAUNCHING, STOPPING
 from pipeline.verdict import StoredVerdict
 
 WIDTH_PX, HEIGHT_PX, DPI = 960, 840, 150
@@ -33,7 +34,7 @@ FONT_PT = 9.0
 MARKED = {"slow": "#d08c00", "stalled": "#c0392b", "dead": "#7f0000"}
 STUCK = ("stalled", "dead")  # verdicts whose no-progress span is shaded
 RECOVERED, RESTARTED, HANDOFF = "#2e8b57", "#555555", "#6a3d9a"
-HANDOFF_MARKS = {"stopping-server": "handoff", "launching-training": "training launched"}
+HANDOFF_MARKS = {STOPPING: "handoff", LAUNCHING: "training launched"}
 RESTART_KINDS = ("stage-restart", "restart-by-hand")
 # ConciseDateFormatter's formats by tick level (years, months, days, hours, minutes, seconds)
 TICK_FORMATS = ["%Y", "%b", "%d %b", "%H:%M", "%H:%M", "%H:%M:%S"]

@@ -433,3 +433,17 @@ def test_product_code_says_why_not_which_ticket():
     offenders = {str(p.relative_to(ROOT)): ticket.findall(p.read_text())
                  for package in ("bot", "handlers", "pipeline") for p in (ROOT / package).rglob("*.py")}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_only_the_floor_spells_a_handoff_step():
+    """Handlers, metrics, charts and the controller name a step by its member (`TRAINING_DONE`), imported from
+    pipeline/states.py: a renamed step then breaks at import, not silently in a comparison ("failed", a word many
+    records share, is left out)."""
+    from pipeline.states import HandoffStep
+
+    values = "|".join(re.escape(str(s)) for s in HandoffStep if s is not HandoffStep.FAILED)
+    spelled = re.compile(rf"[\"']({values})[\"']")
+    offenders = {str(p.relative_to(ROOT)): spelled.findall(p.read_text())
+                 for package in ("bot", "handlers", "pipeline") for p in (ROOT / package).rglob("*.py")
+                 if p != ROOT / "pipeline" / "states.py"}
+    assert {k: v for k, v in offenders.items() if v} == {}

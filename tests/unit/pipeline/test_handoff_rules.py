@@ -247,14 +247,14 @@ def test_training_started_by_hand_while_armed_makes_the_handoff_stand_down(tmp_p
 def test_the_handoff_moves_only_along_its_edge_table(tmp_path):
     """One style for both machines (issue 36): the handoff has an edge table like the stages', and `_set` refuses
     a step that is not an edge from the current one."""
-    from pipeline.handoff.machine import (
-        _EDGES,
+    from pipeline.states import (
         ARMED,
         CANCELLED,
         TRAINING_DONE,
         WAITING,
         HandoffStep,
     )
+    from pipeline.states import HANDOFF_EDGES as _EDGES
 
     ws, store = used_ws(tmp_path)
     try:
