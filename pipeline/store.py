@@ -234,7 +234,7 @@ class Store:
 
     def put(self, key: str, value: Any) -> None:
         """Store a JSON value in the kv table."""
-        self.db["kv"].upsert({"key": key, "value": json.dumps(value)}, pk="key")
+        self.db.table("kv").upsert({"key": key, "value": json.dumps(value)}, pk="key")
 
     # --- verdicts -----------------------------------------------------------
     def verdict(self, stage: str) -> StoredVerdict | None:
@@ -256,7 +256,7 @@ class Store:
             run_id = "r" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
             if self.db.execute("SELECT 1 FROM runs WHERE id = ?", [run_id]).fetchone():
                 run_id += f"-{int(now * 1000) % 1000:03d}"
-            self.db["runs"].insert({"id": run_id, "opened_at": now})
+            self.db.table("runs").insert({"id": run_id, "opened_at": now})
             self.add_event(kind="run-opened", run_id=run_id)
             return run_id
 
@@ -291,32 +291,40 @@ class Store:
     # --- stage processes ----------------------------------------------------
     def insert_proc(self, row: dict) -> int:
         """Record a new stage process; returns its row id."""
-        return self.db["stage_procs"].insert(row).last_pk
+        return self.db.table("stage_procs").insert(row).last_pk
 
     def update_proc(self, proc_id: int, **fields: Any) -> None:
         """Update fields of one stage-process row."""
-        self.db["stage_procs"].update(proc_id, fields)
+        self.db.table("stage_procs").update(proc_id, fields)
+
+    def row(self, proc_id: int) -> StageProc:
+        """The stage-process row `proc_id`, which the caller knows exists (it made it, or holds it): a missing one is
+        a LookupError, never None."""
+        proc = self.proc(proc_id)
+        if proc is None:
+            raise LookupError(f"no stage-process row {proc_id} in {self.path}")
+        return proc
 
     def proc(self, proc_id: int) -> StageProc | None:
         """One stage-process row by id."""
-        rows = list(self.db["stage_procs"].rows_where("id = ?", [proc_id]))
+        rows = list(self.db.table("stage_procs").rows_where("id = ?", [proc_id]))
         return StageProc.from_row(rows[0]) if rows else None
 
     def latest_proc(self, stage: str, *, run: str | None = None) -> StageProc | None:
         """The most recent process row of a stage (of one run, with `run`)."""
         where, args = ("stage = ?", [stage]) if run is None else ("stage = ? AND run_id = ?", [stage, run])
-        rows = list(self.db["stage_procs"].rows_where(where, args, order_by="id desc", limit=1))
+        rows = list(self.db.table("stage_procs").rows_where(where, args, order_by="id desc", limit=1))
         return StageProc.from_row(rows[0]) if rows else None
 
     def procs(self, stage: str, *, after: int = 0) -> list[StageProc]:
         """A stage's process rows with an id above `after`, oldest first."""
         return [StageProc.from_row(r) for r in
-                self.db["stage_procs"].rows_where("stage = ? AND id > ?", [stage, after], order_by="id")]
+                self.db.table("stage_procs").rows_where("stage = ? AND id > ?", [stage, after], order_by="id")]
 
     # --- observations ---------------------------------------------------------
     def add_observation(self, obs: dict, *, run_id: str | None) -> None:
         """Store one observation (the replay format)."""
-        self.db["observations"].insert({"t": obs["t"], "stage": obs["stage"], "run_id": run_id, "data": json.dumps(obs)})
+        self.db.table("observations").insert({"t": obs["t"], "stage": obs["stage"], "run_id": run_id, "data": json.dumps(obs)})
 
     def latest_observation(self, stage: str) -> dict | None:
         """The newest observation of a stage."""
@@ -368,9 +376,9 @@ class Store:
             row = self.db.execute("SELECT id FROM outbox WHERE status = 'pending' AND kind = 'status' AND channel = ? "
                                   "AND update_key = ? ORDER BY id DESC LIMIT 1", [channel, update_key]).fetchone()
             if row:
-                self.db["outbox"].update(row[0], {"text": text, "blocks": json.dumps(blocks or []), "t": self.clock()})
+                self.db.table("outbox").update(row[0], {"text": text, "blocks": json.dumps(blocks or []), "t": self.clock()})
                 return row[0]
-        return self.db["outbox"].insert({
+        return self.db.table("outbox").insert({
             "t": self.clock(), "channel": channel, "kind": kind, "text": text, "blocks": json.dumps(blocks or []),
             "update_key": update_key, "thread_key": thread_key, "status": "pending", "attempts": 0,
             "next_try": 0.0, "attachment": json.dumps(attachment) if attachment else None}).last_pk
@@ -383,7 +391,7 @@ class Store:
     def pending_messages(self, channel: str | None = None) -> list[dict]:
         """Undelivered messages (to one channel, or all), oldest first."""
         where, args = ("status = 'pending'", []) if channel is None else ("status = 'pending' AND channel = ?", [channel])
-        return list(self.db["outbox"].rows_where(where, args, order_by="id"))
+        return list(self.db.table("outbox").rows_where(where, args, order_by="id"))
 
     def has_message(self, *, channel: str, update_key: str) -> bool:
         """True when a message with this update key was ever enqueued to `channel`."""
@@ -392,11 +400,11 @@ class Store:
 
     def mark_sent(self, message_id: int, *, ts: str | None) -> None:
         """Slack accepted the message (its ts is what later updates and thread replies use)."""
-        self.db["outbox"].update(message_id, {"status": "sent", "sent_at": self.clock(), "ts": ts})
+        self.db.table("outbox").update(message_id, {"status": "sent", "sent_at": self.clock(), "ts": ts})
 
     def mark_failed(self, message_id: int, *, attempts: int, error: str, retry: bool, next_try: float) -> None:
         """A delivery attempt failed: pending again from `next_try`, or failed for good."""
-        self.db["outbox"].update(message_id, {"attempts": attempts, "last_error": error,
+        self.db.table("outbox").update(message_id, {"attempts": attempts, "last_error": error,
                                               "status": "pending" if retry else "failed", "next_try": next_try})
 
     def outbox_summary(self) -> dict:
@@ -411,7 +419,7 @@ class Store:
     # --- events and audit ---------------------------------------------------
     def add_event(self, *, kind: str, run_id: str | None = None, stage: str | None = None, data: dict | None = None) -> int:
         """Append an event (state changes, exits, handoff steps, actions)."""
-        return self.db["events"].insert(
+        return self.db.table("events").insert(
             {"t": self.clock(), "run_id": run_id, "stage": stage, "kind": kind, "data": json.dumps(data or {})}
         ).last_pk
 
@@ -427,7 +435,7 @@ class Store:
         where, args = "id > ?", [after_id]
         if kind:
             where, args = where + " AND kind = ?", args + [kind]
-        return [dict(r, data=json.loads(r["data"])) for r in self.db["events"].rows_where(where, args, order_by="id")]
+        return [dict(r, data=json.loads(r["data"])) for r in self.db.table("events").rows_where(where, args, order_by="id")]
 
     def last_choice(self, actions: list[str], *, run: str) -> dict | None:
         """The newest audit row of one of `actions` done while `run` was open (who chose what on its status post)."""
@@ -439,6 +447,6 @@ class Store:
 
     def audit(self, *, user: str, channel: str | None, action: str, outcome: str, detail: str = "") -> None:
         """Record an action, allowed or refused."""
-        self.db["audit"].insert(
+        self.db.table("audit").insert(
             {"t": self.clock(), "user": user, "channel": channel, "action": action, "outcome": outcome, "detail": detail}
         )

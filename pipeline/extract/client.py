@@ -116,6 +116,8 @@ def _manifest_error(what: str, out: Path, exc: sqlite3.Error) -> DiskError:
 class Extractor:
     """One extraction run over a dataset."""
 
+    work: _Work  # the run's state, from `run()` on
+
     def __init__(self, opts: Options, *, log=sys.stderr, on_request=None) -> None:
         self.o, self.log = opts, log
         self.on_request = on_request  # called with (+1 | -1, monotonic time) around each request
@@ -139,7 +141,7 @@ class Extractor:
         self.inflight_bytes = 0.0
         self.warned_large: set[int] = set()
         self._published = 0.0
-        self.work: _Work | None = None  # the run's state, from `run()` on
+        # self.work, the run's state, is made by `run()` (the class's annotation: absent before)
         # what `eagle3 why extract` is told (pipeline/observe/probes/client_state.py): sample -> (sent at, tokens, worker pid)
         self.requests: dict[int, tuple[float, int, int | None]] = {}
         self.beat = time.time()  # the event loop's last turn
@@ -295,7 +297,7 @@ class Extractor:
 
     def snapshot(self) -> dict:
         """The client's state now, for `eagle3 why extract` (read from the state thread: copies only)."""
-        w = self.work
+        w = getattr(self, "work", None)  # asked before the run began: no work yet
         requests = dict(self.requests)  # one C-level copy: atomic against the loop's changes
         workers = list(w.workers) if w else []
         return {

@@ -35,6 +35,7 @@ from pipeline.states import (  # the handoff's steps and edges live on the floor
     TRAINING_FAILED,
     WAITING,
     HandoffStep,
+    StageProc,
     StageState,
     backoff_due,
 )
@@ -148,7 +149,7 @@ class Handoff:
                 and self.store.latest_proc("train", run=run) is None):
             self.arm(by="config ([handoff] autostart = true)")
 
-    def _manual_training(self) -> dict | None:
+    def _manual_training(self) -> StageProc | None:
         """A live training process of this run that the handoff did not launch (started by hand)."""
         run = self.store.current_run()
         proc = self.store.latest_proc("train", run=run) if run else None

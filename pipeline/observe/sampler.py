@@ -164,7 +164,7 @@ class Sampler:
         self._maybe_thin()
         return out
 
-    def _record(self, stage: str, row: dict, readings: dict[str, Reading]) -> tuple[dict, VerdictRecord]:
+    def _record(self, stage: str, row: StageProc, readings: dict[str, Reading]) -> tuple[dict, VerdictRecord]:
         now = self.clock()
         obs: dict = {"t": now, "stage": stage}
         sections = {"process": f"{stage}.process", "progress": f"{stage}.progress", "files": f"{stage}.files",
@@ -199,7 +199,7 @@ class Sampler:
                     "reasons": list(verdict.reasons), "progress_pct": record.progress_pct})
         return obs, verdict
 
-    def _condition_events(self, stage: str, row: dict, obs: dict) -> None:
+    def _condition_events(self, stage: str, row: StageProc, obs: dict) -> None:
         """An event the first time the run will not fit on disk, or training reports an error (NaN, exploding)."""
         disk, prog = obs.get("disk") or {}, obs.get("progress") or {}
         conditions = {
@@ -234,7 +234,7 @@ class Sampler:
             obs.setdefault("unknown", {})["disk"] = reading.unknown
         return reading.value
 
-    def _diagnoser(self, stage: str, row: dict) -> Diagnoser:
+    def _diagnoser(self, stage: str, row: StageProc) -> Diagnoser:
         current = self.diagnosers.get(stage)
         if current and current[0] == row.id:
             return current[1]

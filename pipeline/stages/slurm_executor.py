@@ -73,7 +73,7 @@ class SlurmExecutor:
 
     def submit(self, stage: str, proc_id: int) -> StageProc:
         """sbatch the stage's generated script; the row gets the job id, then the job's state."""
-        proc = self.store.proc(proc_id)
+        proc = self.store.row(proc_id)
         ws = self.ws.for_run(proc.run_id)
         cfg = ws.stage(stage)
         log = ws.log_path(stage)
@@ -90,9 +90,9 @@ class SlurmExecutor:
         self.store.update_proc(proc_id, job_id=job)
         self.store.add_event(kind="slurm-submitted", run_id=proc.run_id, stage=stage,
                              data={"job_id": job, "job_name": proc.job_name, "script": str(script)})
-        proc = self.store.proc(proc_id)
+        proc = self.store.row(proc_id)
         self.reconcile(proc)
-        return self.store.proc(proc_id)
+        return self.store.row(proc_id)
 
     def stop(self, proc: StageProc, *, grace_s: float) -> StopResult:
         """scancel --signal=TERM --full (the batch script and its steps), the grace, then scancel; a

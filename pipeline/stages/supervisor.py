@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 
 from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import StageError
@@ -81,7 +82,7 @@ class Supervisor:
         a start or the handoff may launch the stage again. A runner takes its row up in the
         same kind of transaction (`claim_row`), so a late one finds it closed and starts nothing."""
         with self.store.atomic():
-            row = self.store.proc(proc.id)
+            row = self.store.row(proc.id)
             if (row.pid is not None or row.state not in MAYBE_ALIVE_STATES
                     or self._runner_alive(row)
                     or self.host.clock() - (row.started_at or 0) < RUNNER_START_TIMEOUT_S):
@@ -138,7 +139,7 @@ class Supervisor:
         past RUNNER_AWAIT_MAX_S) leaves the row closed as never started (or still starting)."""
         deadline = self.host.clock() + RUNNER_AWAIT_MAX_S
         while True:
-            proc = self.store.proc(proc_id)
+            proc = self.store.row(proc_id)
             if proc.pid is not None or proc.state != StageState.RUNNING:
                 return proc
             if self._close_if_never_started(proc) or self.host.clock() > deadline:
@@ -165,7 +166,7 @@ class Supervisor:
         if self.host.identity(proc.pid, proc.create_time) == "reused":
             result.note = f"pid {proc.pid} now belongs to another process; nothing was signalled"
         elif proc.pid is not None:
-            pgid, since = proc.pgid, proc.create_time
+            pgid, since = proc.pgid or proc.pid, proc.create_time or 0.0
             # who is the stage as the stop begins: a worker in a session of its own (torchrun's ranks) is the stage's
             # only through its launcher, and stays to be waited for and killed once that launcher is gone
             known = self.host.members(pgid, since)
@@ -178,7 +179,7 @@ class Supervisor:
         self._await_exit_record(proc)
         return result
 
-    def _left(self, pgid: int, since: float, known: list) -> list:
+    def _left(self, pgid: int, since: float, known: Sequence) -> list:
         """The stage's processes now, with those `known` at the stop's start that still live (an orphaned worker
         leaves the group and session with its launcher's death)."""
         now = {m.pid: m for m in self.host.members(pgid, since)}
@@ -187,12 +188,12 @@ class Supervisor:
                 now[m.pid] = m
         return list(now.values())
 
-    def _signal_all(self, pgid: int, since: float, sig: int, known: list = ()) -> None:
+    def _signal_all(self, pgid: int, since: float, sig: int, known: Sequence = ()) -> None:
         self.host.kill(pgid, sig, group=True)
         for member in self._left(pgid, since, list(known)):  # session members, descendants outside the group
             self.host.kill(member.pid, sig, group=False)
 
-    def _wait_empty(self, pgid: int, since: float, timeout_s: float, known: list = ()) -> bool:
+    def _wait_empty(self, pgid: int, since: float, timeout_s: float, known: Sequence = ()) -> bool:
         deadline = self.host.clock() + timeout_s
         while self._left(pgid, since, list(known)):
             if self.host.clock() >= deadline:
@@ -204,11 +205,11 @@ class Supervisor:
         """Give the runner a moment to record the exit status; record it ourselves if it cannot."""
         deadline = self.host.clock() + 3.0
         while self.host.clock() < deadline:
-            row = self.store.proc(proc.id)
+            row = self.store.row(proc.id)
             if row.state not in MAYBE_ALIVE_STATES or not self._runner_alive(row):
                 break
             self.host.sleep(0.05)
-        row = self.store.proc(proc.id)
+        row = self.store.row(proc.id)
         if row.state in MAYBE_ALIVE_STATES:
             transition(self.store, row, StageState.STOPPED, ended_at=self.host.clock(),
                        reason="stopped; exit status not recorded (no runner)")
@@ -229,7 +230,7 @@ class Supervisor:
         return results
 
 
-def claim_row(store: Store, proc_id: int, *, runner_pid: int, runner_create_time: float | None) -> dict | None:
+def claim_row(store: Store, proc_id: int, *, runner_pid: int, runner_create_time: float | None) -> StageProc | None:
     """The runner takes up its row before starting anything: returns the row, or None when the
     row was closed meanwhile (the supervisor concluded it never started) or already has a stage."""
     with store.atomic():
@@ -237,12 +238,12 @@ def claim_row(store: Store, proc_id: int, *, runner_pid: int, runner_create_time
         if not row or row.state != StageState.RUNNING or row.pid is not None:
             return None
         store.update_proc(proc_id, runner_pid=runner_pid, runner_create_time=runner_create_time)
-    return store.proc(proc_id)
+    return store.row(proc_id)
 
 
 def record_exit(store: Store, proc_id: int, *, returncode: int, now: float, reason: str = "") -> StageProc:
     """Record how a stage's process ended (called by its runner); close the run after training."""
-    proc = store.proc(proc_id)
+    proc = store.row(proc_id)
     fields = {"ended_at": now, "exit_code": returncode if returncode >= 0 else None,
               "signal": -returncode if returncode < 0 else None}
     target = StageState.STOPPED if proc.stop_requested else StageState.EXITED

@@ -11,7 +11,7 @@ import psutil
 from pipeline.observe.probes import Reading, known, unknown
 from pipeline.stages.host import stage_processes
 from pipeline.stages.logfile import tail_lines
-from pipeline.states import StageState
+from pipeline.states import StageProc, StageState
 
 
 def group_processes(pgid: int, since: float) -> list[psutil.Process]:
@@ -91,7 +91,7 @@ def last_traceback(lines: list[str]) -> str | None:
     return _clip(message + where)
 
 
-def read_process(row: dict | None, *, clock=time.time) -> Reading:
+def read_process(row: StageProc | None, *, clock=time.time) -> Reading:
     """The `process` section of an observation for a stage-process row."""
     if row is None:
         return unknown("stage not started", clock=clock)
