@@ -29,8 +29,8 @@ migrations = Migrations("eagle3")
 
 @migrations()
 def m001_core(db: Database) -> None:
-    db["runs"].create({"id": str, "opened_at": float, "closed_at": float, "close_reason": str}, pk="id")
-    db["stage_procs"].create(
+    db.table("runs").create({"id": str, "opened_at": float, "closed_at": float, "close_reason": str}, pk="id")
+    db.table("stage_procs").create(
         {
             "id": int, "run_id": str, "stage": str, "state": str, "pid": int, "pgid": int,
             "create_time": float, "runner_pid": int, "runner_create_time": float, "argv": str,
@@ -39,60 +39,60 @@ def m001_core(db: Database) -> None:
         },
         pk="id",
     )
-    db["stage_procs"].create_index(["stage", "id"])
-    db["events"].create({"id": int, "t": float, "run_id": str, "stage": str, "kind": str, "data": str}, pk="id")
-    db["audit"].create(
+    db.table("stage_procs").create_index(["stage", "id"])
+    db.table("events").create({"id": int, "t": float, "run_id": str, "stage": str, "kind": str, "data": str}, pk="id")
+    db.table("audit").create(
         {"id": int, "t": float, "user": str, "channel": str, "action": str, "outcome": str, "detail": str}, pk="id"
     )
-    db["kv"].create({"key": str, "value": str}, pk="key")
+    db.table("kv").create({"key": str, "value": str}, pk="key")
 
 
 @migrations()
 def m002_observations(db: Database) -> None:
-    db["observations"].create({"id": int, "t": float, "stage": str, "run_id": str, "data": str}, pk="id")
-    db["observations"].create_index(["stage", "t"])
+    db.table("observations").create({"id": int, "t": float, "stage": str, "run_id": str, "data": str}, pk="id")
+    db.table("observations").create_index(["stage", "t"])
 
 
 @migrations()
 def m003_outbox(db: Database) -> None:
     # A message is stored here before it is sent and marked sent after the chat service accepts it.
-    db["outbox"].create(
+    db.table("outbox").create(
         {"id": int, "t": float, "channel": str, "kind": str, "text": str, "blocks": str, "update_key": str,
          "thread_key": str, "status": str, "attempts": int, "next_try": float, "last_error": str, "sent_at": float,
          "ts": str},
         pk="id",
     )
-    db["outbox"].create_index(["status", "id"])
+    db.table("outbox").create_index(["status", "id"])
 
 
 @migrations()
 def m004_outbox_update_key(db: Database) -> None:
     # The delivery loop asks every pass whether the open run's status message exists.
-    db["outbox"].create_index(["channel", "update_key"])
+    db.table("outbox").create_index(["channel", "update_key"])
 
 
 @migrations()
 def m005_outbox_attachment(db: Database) -> None:
     # A message may carry something to upload (a chart, JSON: what to draw); delivery renders it.
-    db["outbox"].add_column("attachment", str)
+    db.table("outbox").add_column("attachment", str)
 
 
 @migrations()
 def m006_stage_jobs(db: Database) -> None:
     """Stages run by an executor other than the local runner: which one, and the job's name and id."""
-    db["stage_procs"].add_column("executor", str)
-    db["stage_procs"].add_column("job_name", str)
-    db["stage_procs"].add_column("job_id", str)
-    db["stage_procs"].add_column("job_host", str)  # where the job's batch script runs (Slurm's BatchHost)
+    db.table("stage_procs").add_column("executor", str)
+    db.table("stage_procs").add_column("job_name", str)
+    db.table("stage_procs").add_column("job_id", str)
+    db.table("stage_procs").add_column("job_host", str)  # where the job's batch script runs (Slurm's BatchHost)
 
 
 @migrations()
 def m007_restart_state(db: Database) -> None:
     """The restart policy's state on the process row (it was in kv entries): the restarts before this process
     in its line of automatic restarts, when the policy may restart it once it died, and whether it gave up."""
-    db["stage_procs"].add_column("restart_count", int)
-    db["stage_procs"].add_column("restart_due", float)
-    db["stage_procs"].add_column("restart_given_up", int)
+    db.table("stage_procs").add_column("restart_count", int)
+    db.table("stage_procs").add_column("restart_due", float)
+    db.table("stage_procs").add_column("restart_given_up", int)
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -107,13 +107,25 @@ CONSOLE_CHANNEL = "console"  # the outbox channel of messages printed by the con
 OPEN_RETRY_S = 10.0  # how long opening retries a store that another process is creating
 
 
-def _family(prefix: str) -> staticmethod:
-    """A key family: its prefix, then what the entry is about, joined by ':'."""
-    def key(*parts) -> str:
-        return prefix + ":".join(str(p) for p in parts)
+def _pk(table) -> int:
+    """The row id an insert gave (sqlite always gives one to a rowid table)."""
+    pk = table.last_pk
+    if pk is None:
+        raise sqlite3.DatabaseError("the insert returned no row id")
+    return int(pk)
 
-    key.prefix = prefix
-    return staticmethod(key)
+
+class _Family:
+    """A key family: its prefix, then what the entry is about, joined by ':' (`KV.verdict("extract")`)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __call__(self, *parts: object) -> str:
+        return self.prefix + ":".join(str(p) for p in parts)
+
+
+_family = _Family
 
 
 class KV:
@@ -123,6 +135,7 @@ class KV:
     Single entries are constants; families are functions of what they are about. The notifier's console
     transport keeps its own copy of its families under a prefix (`Notifier.k`)."""
 
+    FAMILIES: tuple[str, ...] = ()  # every family's prefix (set below, once the class is made)
     MONITOR = "monitor"  # the monitor's heartbeat {pid, t, tick_s}
     TRANSPORT = "transport"  # how serve receives Slack's commands {kind, state, error, since, pid}
     SLACK_AUTH = "slack_auth"  # auth.test's answer {ok, user, team | error}
@@ -151,7 +164,7 @@ class KV:
     restarting = _family("restarting:")  # (stage) a restart by hand under way {of: proc id, t}: its stop is no ending
 
 
-KV.FAMILIES = tuple(v.__func__.prefix for v in vars(KV).values() if isinstance(v, staticmethod))
+KV.FAMILIES = tuple(v.prefix for v in vars(KV).values() if isinstance(v, _Family))
 
 
 class Store:
@@ -291,7 +304,7 @@ class Store:
     # --- stage processes ----------------------------------------------------
     def insert_proc(self, row: dict) -> int:
         """Record a new stage process; returns its row id."""
-        return self.db.table("stage_procs").insert(row).last_pk
+        return _pk(self.db.table("stage_procs").insert(row))
 
     def update_proc(self, proc_id: int, **fields: Any) -> None:
         """Update fields of one stage-process row."""
@@ -334,7 +347,7 @@ class Store:
     def observations(self, *, stage: str | None = None, since: float | None = None,
                      run: str | None = None) -> Iterator[dict]:
         """Observations in time order, optionally of one stage, one run, and since a time."""
-        where, args = ["1"], []
+        where, args = ["1"], list[object]()
         if run:
             where, args = where + ["run_id = ?"], args + [run]
         if stage:
@@ -378,10 +391,10 @@ class Store:
             if row:
                 self.db.table("outbox").update(row[0], {"text": text, "blocks": json.dumps(blocks or []), "t": self.clock()})
                 return row[0]
-        return self.db.table("outbox").insert({
+        return _pk(self.db.table("outbox").insert({
             "t": self.clock(), "channel": channel, "kind": kind, "text": text, "blocks": json.dumps(blocks or []),
             "update_key": update_key, "thread_key": thread_key, "status": "pending", "attempts": 0,
-            "next_try": 0.0, "attachment": json.dumps(attachment) if attachment else None}).last_pk
+            "next_try": 0.0, "attachment": json.dumps(attachment) if attachment else None}))
 
     def message_ts(self, message_id: int) -> str | None:
         """The chat service's ts of a delivered outbox message (None while it is pending)."""
@@ -419,9 +432,9 @@ class Store:
     # --- events and audit ---------------------------------------------------
     def add_event(self, *, kind: str, run_id: str | None = None, stage: str | None = None, data: dict | None = None) -> int:
         """Append an event (state changes, exits, handoff steps, actions)."""
-        return self.db.table("events").insert(
+        return _pk(self.db.table("events").insert(
             {"t": self.clock(), "run_id": run_id, "stage": stage, "kind": kind, "data": json.dumps(data or {})}
-        ).last_pk
+        ))
 
     def recent_events(self, limit: int) -> list[dict]:
         """The newest `limit` events, oldest first, with data decoded."""
@@ -432,7 +445,7 @@ class Store:
 
     def events(self, *, after_id: int = 0, kind: str | None = None) -> list[dict]:
         """Events after an id, oldest first, with data decoded."""
-        where, args = "id > ?", [after_id]
+        where, args = "id > ?", list[object]([after_id])
         if kind:
             where, args = where + " AND kind = ?", args + [kind]
         return [dict(r, data=json.loads(r["data"])) for r in self.db.table("events").rows_where(where, args, order_by="id")]
