@@ -87,6 +87,11 @@ class Diagnoser:
         if len(self._gap_order) > 500:
             self.gaps.remove(self._gap_order.popleft())
 
+    @property
+    def _first(self) -> float:
+        """When the stage was first observed (the first observation sets it, before anything is judged)."""
+        return self.first_t if self.first_t is not None else 0.0
+
     def deadline(self) -> float:
         """No-progress time after which a stall may be called."""
         if not self.gaps:
@@ -99,7 +104,7 @@ class Diagnoser:
         if done is None:
             return
         processed, tokens, sq = done + failed, num(prog, "tokens_done"), num(prog, "tokens_sq_done")
-        moments = LatencyProfile.from_json(prog.get("latency_moments"))
+        moments = LatencyProfile.from_json((prog or {}).get("latency_moments"))
         if self.last_processed is None:
             self.last_processed, self.last_tokens, self.last_sq = processed, tokens, sq
             self.last_moments = moments
@@ -162,7 +167,7 @@ class Diagnoser:
         # Work since the last progress only: bytes written just before a hang are not work after it; and
         # recent work only: no older than the deadline, or a write seen a tick after the last sample (a scan
         # that lagged, a last flush) would hold a hang off for the whole activity window.
-        since = self.last_progress_at if self.last_progress_at is not None else self.first_t
+        since = self.last_progress_at if self.last_progress_at is not None else self._first
         win = self._window(min(self.policy.activity_window_s, self.deadline(), max(t - since, 0.0)), t)
         if win:
             a, b = win
@@ -195,8 +200,9 @@ class Diagnoser:
         be a process stuck in a driver (a GPU fallen off the bus leaves its processes in that state)."""
         if not self.disk_wait or self.disk_wait[0] < since or t - self.disk_wait[0] > self.policy.recent_activity_s:
             return None
-        wrote = self.last_write_at is not None and self.last_write_at > since
-        return self.disk_wait[1], t - (self.last_write_at if wrote else since), wrote
+        last_write = self.last_write_at
+        wrote = last_write is not None and last_write > since
+        return self.disk_wait[1], t - (last_write if last_write is not None and wrote else since), wrote
 
     @staticmethod
     def _cpu_share(a: _Point, b: _Point) -> float | None:
@@ -219,12 +225,13 @@ class Diagnoser:
     def _gpus_idle(obs: dict) -> bool:
         """Every GPU read, and none doing work: only then is 'running' known to be idle."""
         gpus = [g for g in obs.get("gpus") or [] if isinstance(g, dict)]
-        return bool(gpus) and all(num(g, "util") is not None and num(g, "util") < IDLE_UTIL
-                                  and not gpu_busy_at_power(g) for g in gpus)
+        utils = [num(g, "util") for g in gpus]
+        return bool(gpus) and all(u is not None and u < IDLE_UTIL for u in utils) and not any(
+            gpu_busy_at_power(g) for g in gpus)
 
     def _stall_evidence(self, obs: dict, t: float) -> list[str]:
         ev = []
-        since = self.last_progress_at or self.first_t
+        since = self.last_progress_at or self._first
         a = next((p for p in self.points if p.t >= since), None)
         b = self.points[-1] if self.points else None
         if a and b and b.t > a.t:
@@ -292,8 +299,8 @@ class Diagnoser:
         span = sum(iv[1] for iv in recent)
         if not recent or span <= 0:
             return None, None
-        toks = [iv[3] for iv in recent]
-        return sum(iv[2] for iv in recent) / span, (sum(toks) / span if None not in toks else None)
+        toks = [iv[3] for iv in recent if iv[3] is not None]
+        return sum(iv[2] for iv in recent) / span, (sum(toks) / span if len(toks) == len(recent) else None)
 
     def _judge(self, obs: dict, t: float, process: dict, prog: dict) -> VerdictRecord:
         ended = process.get("alive") is False or process.get("exit_code") is not None
@@ -345,19 +352,19 @@ class Diagnoser:
             if server["healthy"]:
                 return self._base(t, prog, verdict="progressing", reasons=("serving; health check passing",))
             down = t - (self.unhealthy_since or t)
-            if not self.ever_healthy and t - self.first_t < self.policy.startup_window_s:
+            if not self.ever_healthy and t - self._first < self.policy.startup_window_s:
                 return self._base(t, prog, verdict="starting", reasons=("waiting for the health check to pass",))
             if down >= self.policy.stall_floor_s:
                 return self._base(t, prog, verdict="stalled", reasons=(f"health check failing for {fmt_s(down)}",))
             return self._base(t, prog, verdict="slow", reasons=(f"health check failing for {fmt_s(down)}",))
-        if t - self.first_t < self.policy.startup_window_s:
+        if t - self._first < self.policy.startup_window_s:
             return self._base(t, prog, verdict="starting", reasons=("no progress reading yet",))
-        return self._judge_stall(obs, t, prog, since=self.first_t, what="no progress reading yet")
+        return self._judge_stall(obs, t, prog, since=self._first, what="no progress reading yet")
 
     def _judge_progress(self, obs: dict, t: float, prog: dict) -> VerdictRecord:
-        if self.last_progress_at is None and t - self.first_t < self.policy.startup_window_s:
+        if self.last_progress_at is None and t - self._first < self.policy.startup_window_s:
             return self._base(t, prog, verdict="starting", reasons=("no sample finished yet",))
-        since = self.last_progress_at if self.last_progress_at is not None else self.first_t
+        since = self.last_progress_at if self.last_progress_at is not None else self._first
         gap = t - since
         if gap > self.deadline():
             return self._judge_stall(obs, t, prog, since=since, what=f"no progress for {fmt_s(gap)}")
@@ -407,8 +414,9 @@ class Diagnoser:
         recent = [iv for iv in self.intervals if iv[0] >= t - p.slow_window_s]
         if len(recent) < 3:
             return None
-        toks = [iv[3] for iv in recent]
-        predicted = model.predict(samples=sum(iv[2] for iv in recent), tokens=None if None in toks else sum(toks))
+        toks = [iv[3] for iv in recent if iv[3] is not None]
+        predicted = model.predict(samples=sum(iv[2] for iv in recent),
+                                  tokens=sum(toks) if len(toks) == len(recent) else None)
         actual = sum(iv[1] for iv in recent)
         if not predicted:
             return None
