@@ -38,7 +38,8 @@ class Automation:
         run = self.store.current_run()
         cfg = self.ws.for_run(run).stage("regenerate")
         state = handoff_state(self.store)
-        if not cfg.argv or not cfg.out or run is None or not state or state.get("step") not in (ARMED, WAITING):
+        out = self.ws.for_run(run).out_dir("regenerate")
+        if not cfg.argv or out is None or run is None or not state or state.get("step") not in (ARMED, WAITING):
             return
         regen = self.store.latest_proc("regenerate", run=run)
         if not regen or regen.state != StageState.EXITED or regen.exit_code != 0:
@@ -46,7 +47,7 @@ class Automation:
         key, refused = KV.chain(run, "extract"), KV.chain(run, "refused", regen.id)
         if self.store.latest_proc("extract", run=run) or self.store.get(key) or self.store.get(refused):
             return  # checked once per regeneration: its files do not change after it exited
-        ok, why = regenerate_complete(self.ws.resolve(cfg.out), max_failed_share=self.ws.config.handoff.max_failed_share)
+        ok, why = regenerate_complete(out, max_failed_share=self.ws.config.handoff.max_failed_share)
         if not ok:
             self.store.put(refused, why)
             self.store.add_event(kind="handoff-alert", run_id=run, stage="regenerate", data={

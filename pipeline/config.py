@@ -331,6 +331,10 @@ class Workspace:
         """The configuration of stage `name`."""
         return getattr(self.config.stages, name)
 
+    def out_dir(self, name: str) -> Path | None:
+        """Stage `name`'s output (its `out`, resolved; None where it has none: the server, or not configured)."""
+        return self.resolve(getattr(self.stage(name), "out", None))
+
     def forensics_dir(self, run: str | None) -> Path:
         """Where a run's "why is it stuck?" evidence is kept."""
         return self.state_dir / "forensics" / (run or "no-run")

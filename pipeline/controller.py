@@ -126,6 +126,7 @@ class Controller:
             self.store.reopen_run(reopen[0], reason=f"start train by {by}: training on its verified extraction")
         moved = self._set_training_aside(by=by) if fresh else None
         proc = self.supervisor.start(stage)
+        assert proc is not None  # only a start with `only_if` (the handoff's) may decline
         proc.set_aside = str(moved) if moved else None
         proc.reopened = reopen[0] if reopen else None
         return proc
@@ -139,7 +140,7 @@ class Controller:
             raise StageError(f"train is {proc.state}: stop it first (`eagle3 stop train`), then start it --fresh")
         # with `{run}` in the path, the open run's own training (a run opened by this start has none yet)
         ws = self.ws.for_run(self.store.current_run())
-        out = ws.resolve(ws.stage("train").out)
+        out = ws.out_dir("train")
         if out is None:
             raise UserError("--fresh needs stages.train.out (the trainer's --out) in the config, to know what "
                             "to move aside")
@@ -224,7 +225,7 @@ class Controller:
     def training_running(self) -> bool:
         """Training's latest process may be alive (from the store: no probe)."""
         proc = self.store.latest_proc("train")
-        return bool(proc) and proc.maybe_alive
+        return proc is not None and proc.maybe_alive
 
     def extraction_looks_complete(self) -> bool:
         """The cheap half of verified completion (the store and the manifest, no sample files opened): fast
@@ -373,7 +374,7 @@ class Controller:
     def _unobserved_end(self, stage: str) -> bool:
         proc = self.store.latest_proc(stage)
         verdict = self.store.verdict(stage)
-        return bool(proc) and proc.state != StageState.RUNNING and (
+        return proc is not None and proc.state != StageState.RUNNING and (
             verdict is None or verdict.proc_id != proc.id or not verdict.final)
 
     def _stage_status(self, stage: str, now: float) -> StageStatus:
@@ -391,9 +392,8 @@ class Controller:
 
     def _out(self, stage: str, run: str | None) -> str | None:
         """The stage's configured output as `run` sees it (`{run}` expanded), or None."""
-        ws = self.ws.for_run(run)
-        out = getattr(ws.stage(stage), "out", None)
-        return str(ws.resolve(out)) if out else None
+        out = self.ws.for_run(run).out_dir(stage)
+        return str(out) if out else None
 
     def _with_verdict(self, stage: str, proc: StageProc, st: StageStatus) -> StageStatus:
         v = self.store.verdict(stage)

@@ -56,13 +56,13 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     proc = store.latest_proc("extract", run=run) if run else None
     server = store.latest_proc("server", run=run) if run else None
     c = Completion(complete=False, run=run,
-                   server_running=bool(server) and server.state in MAYBE_ALIVE_STATES)
+                   server_running=server is not None and server.state in MAYBE_ALIVE_STATES)
     if proc is None:  # the manifest on disk, if any, is an earlier run's: not this run's progress
         regen = store.latest_proc("regenerate", run=run) if run else None
         if regen is not None and regen.maybe_alive:
             v = store.verdict("regenerate")
-            mine = v is not None and v.proc_id == regen.id and v.done is not None and v.total
-            count = f" ({int(v.done + (v.failed or 0)):,} / {int(v.total):,} conversations)" if mine else ""
+            count = (f" ({int(v.done + (v.failed or 0)):,} / {int(v.total):,} conversations)"
+                     if v is not None and v.proc_id == regen.id and v.done is not None and v.total else "")
             c.missing.append(f"waiting for regeneration{count}: extraction follows it, by itself when auto-start "
                              "is armed")
             return c
@@ -72,7 +72,7 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
     ws = ws.for_run(run)  # `{run}` in the paths: this run's own place
     if source_of(ws, "extract") != "manifest":
         return _by_final_verdict(c, store, proc)
-    out = ws.resolve(ws.stage("extract").out)
+    out = ws.out_dir("extract")
     prog, unreadable = {}, None
     if out is None:
         unreadable = "stages.extract.out is not configured"
@@ -109,7 +109,7 @@ def check(ws: Workspace, store: Store, *, verify_sample: int = 200, run_verify: 
         temps = _temp_files(out)
         if temps:
             c.missing.append(f"{temps} temp file(s) left in {out}/hidden_states")
-    if not c.missing and run_verify:
+    if not c.missing and run_verify and out is not None:  # (no out is a missing condition above)
         from pipeline.extract.verify import verify
 
         res = verify(out, sample=verify_sample)
@@ -123,15 +123,15 @@ def _by_final_verdict(c: Completion, store: Store, proc: StageProc) -> Completio
     """Another tool's extraction (progress from its files, its log or its JSON lines; no manifest to verify):
     complete when the monitor observed its end and judged it done — exit 0, its progress at its total, the
     failed share within the maximum, its done_when met — and the total is known."""
-    verdict = store.verdict("extract")
-    mine = verdict is not None and verdict.proc_id == proc.id
-    if mine:
+    seen = store.verdict("extract")
+    verdict = seen if seen is not None and seen.proc_id == proc.id else None  # this process's, or none
+    if verdict is not None:
         c.done, c.failed, c.total, c.eta_s = verdict.done, verdict.failed, verdict.total, verdict.eta_s
     if proc.state == StageState.RUNNING:
         c.missing.append("extraction is still running")
     elif proc.state != StageState.EXITED or proc.exit_code != 0:
         c.missing.append(f"the last extraction run did not exit 0 ({proc.reason or proc.state})")
-    elif not mine or not verdict.final:
+    elif verdict is None or not verdict.final:
         c.missing.append("the monitor has not yet observed this extraction's end")
     elif verdict.verdict != "done":
         c.missing.append(f"its end was judged {verdict.verdict}: {'; '.join(verdict.reasons)}")

@@ -222,7 +222,7 @@ class Handoff:
     def _launching(self, state: dict) -> None:
         floor = state.get("train_floor") or 0
 
-        def rows() -> list[dict]:
+        def rows() -> list[StageProc]:
             return self.store.procs("train", after=floor)
 
         # Rows above the floor are this handoff's launches (the row `start` inserts is the

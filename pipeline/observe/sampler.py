@@ -228,7 +228,7 @@ class Sampler:
             if prog.get("tokens_total") is not None and prog.get("tokens_done") is not None:
                 left = prog["tokens_total"] - prog["tokens_done"]
             need = projected_need(tokens_left=left, layers=prog.get("layers"), hidden=prog.get("hidden_size"))
-        out = ws.resolve(ws.stage(stage).out)
+        out = ws.out_dir(stage)
         reading = read_disk(str(out) if out else None, need_bytes=need, clock=self.clock)
         if reading.unknown:
             obs.setdefault("unknown", {})["disk"] = reading.unknown
