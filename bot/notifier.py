@@ -91,6 +91,14 @@ class Notifier:
         self.gatherer = gatherer or (lambda n, *a: threading.Thread(target=n._gather_now, args=a, daemon=True,
                                                                        name="eagle3-forensics").start())
 
+    @property
+    def to(self) -> str:
+        """The channel messages are queued for: set whenever anything is queued (`tick` and the posts return early
+        without one)."""
+        if not self.channel:
+            raise RuntimeError("the notifier has no channel: nothing may be queued")
+        return self.channel
+
     def tick(self, store: Store) -> None:
         """Collect new events, add milestone replies, deliver what is pending."""
         if not self.channel:
@@ -139,14 +147,14 @@ class Notifier:
                     kind, text, thread = msg
                     blocks = text_blocks(text) + (alert_buttons(stage) if kind == "alert" and stage else [])
                     opens = kind == "alert" and stage and event["kind"] == "verdict"
-                    mid = store.enqueue(channel=self.channel, kind=kind, text=text, blocks=blocks,
+                    mid = store.enqueue(channel=self.to, kind=kind, text=text, blocks=blocks,
                                         thread_key=f"status:{run}" if thread and run else None,
                                         update_key=f"alert:{event['id']}" if opens else None)
                     if opens:  # resolved in place when the stage recovers
                         store.put(self.k + KV.open_alert(stage), {"key": f"alert:{event['id']}", "t": event["t"],
                                                                    "text": text})
                     if kind == "alert" and stage and event["data"].get("to") == "stalled":
-                        store.enqueue(channel=self.channel, kind="chart", text=f"{stage}, the last hour",
+                        store.enqueue(channel=self.to, kind="chart", text=f"{stage}, the last hour",
                                       thread_key=f"outbox:{mid}",
                                       attachment={"chart": stage, "run": run, "since": event["t"] - STALL_CHART_S})
                     if kind == "alert" and stage and event["data"].get("to") in ("stalled", "dead"):
@@ -156,7 +164,7 @@ class Notifier:
                     gathers.append((stage, run, open_alert["key"] if open_alert else (f"status:{run}" if run else None),
                                     f"asked by {event['data'].get('by', 'someone')}"))
                 elif event["kind"] == "chart-request" and stage:
-                    store.enqueue(channel=self.channel, kind="chart",
+                    store.enqueue(channel=self.to, kind="chart",
                                   text=chart_request_text(stage, event["data"].get("by", "someone")),
                                   thread_key=f"status:{run}" if run else None,
                                   attachment={"chart": stage, "run": run, "text_if_none": True})
@@ -178,7 +186,7 @@ class Notifier:
             path = forensics.keep(self.ws, ev, run)
             text = f"Evidence of {stage}, gathered {why} (`eagle3 why {stage}`):\n" + "\n".join(
                 f"• {line}" for line in ev.summary or ["nothing to report"])
-            store.enqueue(channel=self.channel, kind="forensics", text=text, thread_key=thread_key,
+            store.enqueue(channel=self.to, kind="forensics", text=text, thread_key=thread_key,
                           attachment={"file": str(path), "title": f"eagle3 why {stage}"} if isinstance(path, Path)
                           else None)
         except Exception:  # noqa: BLE001 - evidence is a help, never a failure of the service
@@ -218,7 +226,9 @@ class Notifier:
         d = event["data"]
         stage = event.get("stage") if event["kind"] == "verdict" and d.get("to") == "done" else (
             "train" if event["kind"] == "handoff" and d.get("step") in ENDINGS else None)
-        proc = store.latest_proc(stage) if stage else None
+        if not stage:
+            return None
+        proc = store.latest_proc(stage)
         if not proc or not proc.started_at:
             return None
         # from the run's first start of the stage: a restart in between does not reset what it took
@@ -235,15 +245,15 @@ class Notifier:
         acked = store.get(KV.acked(stage)) or {}
         taken = acked.get("by") if acked.get("t", -1.0) >= alert["t"] else None
         resolved = resolved_text(alert["text"], event["t"] - alert["t"], taken_by=taken)
-        store.enqueue(channel=self.channel, kind="resolved", text=resolved, blocks=text_blocks(resolved),
+        store.enqueue(channel=self.to, kind="resolved", text=resolved, blocks=text_blocks(resolved),
                       update_key=alert["key"])
         escalation = f"escalation:{alert['key']}"
-        if store.has_message(channel=self.channel, update_key=escalation):  # its escalation is resolved with it
+        if store.has_message(channel=self.to, update_key=escalation):  # its escalation is resolved with it
             said = escalation_text(stage, self.escalate_s, self.ws.config.slack.oncall_user_ids, self.host)
             done = resolved_text(said, event["t"] - alert["t"], taken_by=taken)
-            store.enqueue(channel=self.channel, kind="resolved", text=done, blocks=text_blocks(done),
+            store.enqueue(channel=self.to, kind="resolved", text=done, blocks=text_blocks(done),
                           update_key=escalation)
-        store.enqueue(channel=self.channel, kind="recovery", text=text, thread_key=alert["key"])
+        store.enqueue(channel=self.to, kind="recovery", text=text, thread_key=alert["key"])
         store.put(self.k + KV.open_alert(stage), None)
         # the cooldown stops repeats of an alert still open; once resolved, the next stall is news again
         store.put(self.k + KV.alerted(stage, "stalled"), None)
@@ -278,7 +288,7 @@ class Notifier:
                 text = escalation_text(stage, self.clock() - alerted, self.ws.config.slack.oncall_user_ids, self.host)
                 open_alert = store.get(self.k + KV.open_alert(stage))
                 # a reply in the alert's thread, broadcast to the channel, resolved in place with the alert
-                store.enqueue(channel=self.channel, kind="escalation", text=text,
+                store.enqueue(channel=self.to, kind="escalation", text=text,
                               blocks=text_blocks(text) + alert_buttons(stage),
                               thread_key=open_alert["key"] if open_alert else None,
                               update_key=f"escalation:{open_alert['key']}" if open_alert else None)
@@ -293,7 +303,7 @@ class Notifier:
         for m in MILESTONES:
             if pct >= m and m not in passed:
                 passed.append(m)
-                store.enqueue(channel=self.channel, kind="milestone", text=milestone_text("extract", m),
+                store.enqueue(channel=self.to, kind="milestone", text=milestone_text("extract", m),
                               thread_key=f"status:{run}",
                               attachment={"chart": "extract", "run": run, "text_if_none": True})
         store.put(self.k + KV.milestones(run), passed)
@@ -312,11 +322,11 @@ class Notifier:
             ws = self.ws.for_run(run)
             data = ws.resolve(getattr(ws.config.stages, stage).data)
             shown = ((read_meta(data) or {}).get("preview") if data else None) or {}
-            if shown.get("text"):
+            if data is not None and shown.get("text"):
                 text = (f"Template check — {stage} reads `{data.name}`; its first conversation ({shown.get('id')}, "
                         f"{shown.get('tokens', 0):,} tokens, {shown.get('trained', 0):,} trained on) as the chat "
                         f"template renders it, the trained tokens in ⟦…⟧:\n```{shown['text']}```")
-                store.enqueue(channel=self.channel, kind="preview", text=text, thread_key=f"status:{run}")
+                store.enqueue(channel=self.to, kind="preview", text=text, thread_key=f"status:{run}")
             return
 
     def needs_status(self, store: Store) -> bool:
@@ -326,7 +336,7 @@ class Notifier:
         run = store.current_run()
         if not (self.channel and run):
             return False
-        if not store.has_message(channel=self.channel, update_key=f"status:{run}"):
+        if not store.has_message(channel=self.to, update_key=f"status:{run}"):
             return True
         if self.status_posted is None:  # a restarted service: the next change refreshes it
             self.status_posted = (status_signature(store), self.clock())
@@ -354,7 +364,7 @@ class Notifier:
     def post_final(self, store: Store, status: RunStatus, run: str, reason: str | None, closed_at: float) -> None:
         """Edit the closed run's status post into its final render (no buttons), once per closing."""
         text, blocks = final_blocks(status, run=run, closed=reason, host=self.host, now=self.clock())
-        store.enqueue(channel=self.channel, kind="status", text=text, blocks=blocks, update_key=f"status:{run}")
+        store.enqueue(channel=self.to, kind="status", text=text, blocks=blocks, update_key=f"status:{run}")
         store.put(self.k + KV.final_status(run), closed_at)
 
     def post_status(self, store: Store, status: RunStatus, version: str) -> None:
@@ -365,7 +375,7 @@ class Notifier:
         chose = store.last_choice([LABELS[a] for a in STATUS_ACTIONS], run=status.run) if status.run else None
         note = choice_note(chose["user"], chose["action"], chose["t"], chose["detail"]) if chose else None
         text, blocks = status_blocks(status, version=version, host=self.host, note=note)
-        store.enqueue(channel=self.channel, kind="status", text=text, blocks=blocks,
+        store.enqueue(channel=self.to, kind="status", text=text, blocks=blocks,
                       update_key=f"status:{status.run}")
         self.status_posted = (status_signature(store), self.clock())
 
@@ -420,9 +430,9 @@ class Notifier:
             return existing
         thread = self._thread_ts(store, m["thread_key"])
         # endings and escalations reach the channel from their thread
-        extra = {"reply_broadcast": True} if thread and m["kind"] in ("ending", "escalation") else {}
+        broadcast = True if thread and m["kind"] in ("ending", "escalation") else None  # None: not sent
         r = self.client.chat_postMessage(channel=m["channel"], text=m["text"], blocks=blocks, thread_ts=thread,
-                                         **extra)
+                                         reply_broadcast=broadcast)
         return r.get("ts")
 
     def _send_chart(self, store: Store, m: dict, spec: dict) -> str | None:
