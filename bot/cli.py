@@ -349,14 +349,16 @@ def _replay(args) -> int:
         fh = sys.stdin if args.replay == "-" else open(args.replay, encoding="utf-8", errors="replace")  # noqa: SIM115
     except OSError as exc:
         raise UserError(f"{args.replay}: cannot read the trace ({exc.strerror}); check the path") from None
-    processed, last = 0, {}
+    processed, last = 0, dict[str, str]()
     with fh:
         for item in replay(fh):
             if item.skipped:
                 print(f"eagle3: {args.replay}:{item.lineno}: skipped: {item.skipped}", file=sys.stderr)
                 continue
-            processed += 1
             v = item.verdict
+            if v is None:  # (a skipped line has no verdict: said above)
+                continue
+            processed += 1
             if args.json:
                 print(json.dumps(v.replay_json(), separators=(",", ":")))
             elif last.get(v.stage) != v.verdict:

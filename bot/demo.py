@@ -43,6 +43,7 @@ def _demo_notifier(ws, slack_channel: str | None):
     token = os.environ.get("SLACK_BOT_TOKEN")
     if not slack_channel:
         return console_notifier(ws), "console transport: messages printed as they would appear in Slack"
+    assert token, "run_demo refuses a channel without SLACK_BOT_TOKEN"
     from bot.app import slack_client
     from bot.notifier import Notifier
 
@@ -184,8 +185,9 @@ def _summary(root: Path, ws, started: float) -> None:
     finally:
         ctl.close()
     lines = [json.loads(x) for x in (root / "ckpt" / "progress.jsonl").read_text().splitlines()]
-    dur = {s: (p.ended_at or time.time()) - p.started_at for s, p in procs.items() if p}
-    completion = procs["extract"].ended_at
+    dur = {s: (p.ended_at or time.time()) - p.started_at for s, p in procs.items() if p and p.started_at}
+    extract = procs["extract"]
+    completion = extract.ended_at if extract and extract.ended_at else time.time()
     _say("\nsummary")
     _say(f"  samples: {done} extracted, {failed} failed; {nbytes / 1e6:.1f} MB of hidden states")
     _say("  time per stage: " + ", ".join(f"{s} {d:.0f} s" for s, d in dur.items()))
@@ -224,6 +226,7 @@ def _evaluate(root: Path) -> bool:
     _say("4. measuring the draft: chain speculation at depth 5 against the toy target's greedy continuations")
     server = subprocess.Popen([sys.executable, "-m", "bot.cli", "toy-server", "--port", "0"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert server.stdout is not None  # stdout=PIPE
     try:
         line = server.stdout.readline()
         if "listening on" not in line:

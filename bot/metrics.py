@@ -104,7 +104,7 @@ class StoreCollector:
             yield m
 
 
-def _counters(st, restarts: dict[str, int]):
+def _counters(st, restarts: dict[str, dict[str, int]]):
     """Totals of the current run: samples done and failed, tokens, restarts (reset by a new run)."""
     from prometheus_client.core import CounterMetricFamily
 

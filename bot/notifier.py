@@ -18,6 +18,7 @@ from pathlib import Path
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
+from bot.console import ConsoleClient
 from handlers.render.alerts import (
     ENDINGS,
     alert_buttons,
@@ -70,7 +71,7 @@ def status_signature(store: Store) -> str:
 class Notifier:
     """One per service; `tick(store)` from the monitor's thread."""
 
-    def __init__(self, *, ws: Workspace, client: WebClient, clock=time.time, cooldown_s: float = 1800.0,
+    def __init__(self, *, ws: Workspace, client: WebClient | ConsoleClient, clock=time.time, cooldown_s: float = 1800.0,
                  pace_s: float = 1.0, escalate_s: float | None = None, channel: str | None = None,
                  key_prefix: str = "", fixable_retry_s: float = 60.0, host: str | None = None,
                  gatherer=None) -> None:

@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from bot.metrics import serve_metrics
 from pipeline.config import LiveWorkspace, Workspace
@@ -23,6 +24,11 @@ from pipeline.errors import ConfigError, UserError
 from pipeline.monitor import Monitor
 from pipeline.servelock import ServeLock
 from pipeline.store import CONSOLE_CHANNEL, KV, Store
+
+if TYPE_CHECKING:  # types only: Bolt's Socket Mode and wsgiref load when serve uses them
+    from wsgiref.simple_server import WSGIServer
+
+    from slack_bolt.adapter.socket_mode import SocketModeHandler
 
 log = logging.getLogger("eagle3.service")
 DELIVERY_INTERVAL_S = 1.0
@@ -224,15 +230,16 @@ class Inputs:
         self.ws, self.live = ws, live
         self.kind = "none"
         self.host = "127.0.0.1"
-        self.server = None
-        self.handler = None
+        self.server: WSGIServer | None = None  # serve --http's server, once started
+        self.handler: SocketModeHandler | None = None  # Socket Mode's handler, once started
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
     def describe(self) -> str:
         """The start line's account of what is served."""
         if self.kind == "http":
-            return f"Slack HTTP events on http://{self.host}:{self.server.server_address[1]}/slack/events"
+            port = self.server.server_address[1] if self.server is not None else "?"
+            return f"Slack HTTP events on http://{self.host}:{port}/slack/events"
         if self.kind == "socket-mode":
             return "Slack Socket Mode (connecting in the background; `eagle3 status` shows its state)"
         return ("not served (set SLACK_APP_TOKEN for Socket Mode, or run `eagle3 serve --http --port P` with "
@@ -264,9 +271,9 @@ class Inputs:
         app = build_app(ws=self.ws, token=token,
                         signing_secret=os.environ.get("SLACK_SIGNING_SECRET", "unused-in-socket-mode"),
                         api_url=os.environ.get("SLACK_API_URL"), live=self.live)
-        self.handler = SocketModeHandler(app, os.environ["SLACK_APP_TOKEN"], ping_interval=PING_INTERVAL_S)
-        self.handler.client.on_message_listeners.append(self._on_message)
-        self.handler.client.on_close_listeners.append(self._on_close)
+        self.handler = handler = SocketModeHandler(app, os.environ["SLACK_APP_TOKEN"], ping_interval=PING_INTERVAL_S)
+        handler.client.on_message_listeners.append(self._on_message)
+        handler.client.on_close_listeners.append(self._on_close)
         self._warned_connections = False
         self._refresh_at = float("-inf")
         self._session = None
@@ -279,10 +286,10 @@ class Inputs:
         delay, connected, failing = 1.0, False, False
         while not self.stopping.is_set():
             try:
-                if not self.handler.client.is_connected():
+                if not self._socket.client.is_connected():
                     if not failing:  # while retrying, the state stays "retrying" with the last error
                         self._record("reconnecting" if connected else "connecting", None)
-                    self.handler.connect()
+                    self._socket.connect()
                     log.info("slack: Socket Mode connected")
                 connected, delay, failing = True, 1.0, False
                 self._record("connected", None)
@@ -318,7 +325,7 @@ class Inputs:
 
     def _note_session(self) -> None:
         """Each hello after the first is a reconnect: log it with its cause."""
-        current = getattr(self.handler.client, "current_session", None)
+        current = getattr(self._socket.client, "current_session", None)
         old, self._session = self._session, current
         if old is None or old is current:
             return
@@ -356,9 +363,16 @@ class Inputs:
 
     CLOSE_WAIT_S = 10.0
 
+    @property
+    def _socket(self) -> SocketModeHandler:
+        """Socket Mode's handler: its methods run only once `start_socket_mode` made it."""
+        if self.handler is None:
+            raise RuntimeError("Socket Mode was not started")
+        return self.handler
+
     def _close_handler(self) -> None:
         try:
-            self.handler.close()
+            self._socket.close()
         except Exception:  # noqa: BLE001 - closing a connection that never opened
             pass
 
