@@ -85,8 +85,8 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
         text = gpus_text(gpus, why=None if gpus else status.gpus_gap())
         return text, text_blocks(f"```\n{text}\n```" if gpus else text)
     if verb == "chart":
-        running = [n for n, st in status.stages.items() if st.running and n != "server"]
-        stage = args[0] if args else (running[-1] if running else "extract")
+        busy = [n for n, st in status.stages.items() if st.running and n != "server"]
+        stage = args[0] if args else (busy[-1] if busy else "extract")
         if stage not in STAGE_NAMES:
             return _name_a_stage(verb)
         r = ctl.request_chart(stage, by=f"slack:{user}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from handlers.render.redact import redact
 from handlers.render.views import ago, slack_time
@@ -26,14 +27,14 @@ def who_as_mentions(text: str) -> str:
     return re.sub(r"\bslack:([UW][A-Z0-9]{2,})\b", r"<@\1>", text)
 
 
-def event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), host: str = "",
+def event_message(event: dict, *, oncall: list[str], patterns: Sequence[str] = (), host: str = "",
                   took_s: float | None = None) -> tuple[str, str, str | None] | None:
     """`_event_message`, with who did what as mentions."""
     msg = _event_message(event, oncall=oncall, patterns=patterns, host=host, took_s=took_s)
     return None if msg is None else (msg[0], who_as_mentions(msg[1]), msg[2])
 
 
-def _event_message(event: dict, *, oncall: list[str], patterns: list[str] = (), host: str = "",
+def _event_message(event: dict, *, oncall: list[str], patterns: Sequence[str] = (), host: str = "",
                    took_s: float | None = None) -> tuple[str, str, str | None] | None:
     """(kind, text, thread_key) for an event worth posting, else None. thread_key: reply in the run's thread
     (kind "ending": a reply broadcast to the channel too). `host` is named in what reaches the channel;

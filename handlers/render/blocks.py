@@ -8,6 +8,7 @@ import time
 
 from slack_sdk.models.blocks import (
     ActionsBlock,
+    Block,
     ButtonElement,
     ConfirmObject,
     ContextBlock,
@@ -46,7 +47,7 @@ def answer(stage: str, st: StageStatus) -> str:
         "dead": f"Dead: {stage} ended abnormally{where}.",
         "done": f"Done: {stage} finished and its output is complete.",
         "stopped": f"Stopped on request: {stage} is not running, as asked.",
-    }.get(v) or _unknown(stage, st)
+    }.get(str(v)) or _unknown(stage, st)
 
 
 def _unknown(stage: str, st: StageStatus) -> str:
@@ -94,8 +95,8 @@ def _details(name: str, st: StageStatus, now: float) -> list[str]:
     if name == "train" and isinstance(prog.get("acc_by_depth"), list) and prog["acc_by_depth"]:
         acc = "/".join("-" if a is None else f"{a:.2f}" for a in prog["acc_by_depth"])
         rates.append(f"top-1 by depth {acc} (validation at step {prog.get('validated_at_step')})")
-        if tau_text(prog):
-            rates.append(tau_text(prog))
+        if tau := tau_text(prog):
+            rates.append(tau)
     if st.rate_samples_per_s:
         rates.append(f"{st.rate_samples_per_s:.2f} {'steps' if name == 'train' else 'samples'}/s")
     if st.rate_tokens_per_s:
@@ -140,9 +141,12 @@ def gpu_summary(gpus: list[dict]) -> str:
     """GPUs alike grouped: 'GPUs 0–7: 97 % busy, 75 GB each (extract)'; a reading NVML did not give is '?'."""
     groups: dict[tuple, list[int]] = {}
     for g in gpus:
+        index = g.get("index")
+        if not isinstance(index, int):  # every reading the probe makes has one
+            continue
         util = "?" if g.get("util") is None else f"{g['util']:.0f} %"
         mem = "?" if g.get("mem_used_mb") is None else f"{g['mem_used_mb'] / 1024:.0f} GB"
-        groups.setdefault((util, mem, ", ".join(g.get("holders") or [])), []).append(g.get("index"))
+        groups.setdefault((util, mem, ", ".join(g.get("holders") or [])), []).append(index)
     parts = []
     for (util, mem, holders), idx in groups.items():
         idx = sorted(i for i in idx if isinstance(i, int))
@@ -163,7 +167,7 @@ def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
     headline = (f"*Run {status.run or '(none open)'}*" + (f" on `{host}`" if host else "")
                 + f" — {name}{run_label(st, status.run)}: *{st.verdict or st.state}*")
     sentence = answer(name, st) if st.started else "Nothing is running yet."
-    blocks = [SectionBlock(text=MarkdownTextObject(text=_clip(f"{headline}\n{sentence}")))]
+    blocks: list[Block] = [SectionBlock(text=MarkdownTextObject(text=_clip(f"{headline}\n{sentence}")))]
     details = _details(name, st, now)
     if details:
         blocks.append(SectionBlock(text=MarkdownTextObject(text=_clip("\n".join(details)))))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 
 from pipeline.config import SECRET_ENV
 
@@ -11,12 +12,12 @@ _SECRETS = [re.compile(r"xox[abposr]-[0-9A-Za-z-]+"), re.compile(r"xapp-[0-9A-Za
             re.compile(r"(?i)(authorization:\s*)(bearer\s+)?\S+"), re.compile(r"(?i)(signing[_-]?secret\S*\s*[=:]\s*)\S+")]
 
 
-def redact(text: str, extra: list[str] = (), patterns: list[str] = ()) -> str:
+def redact(text: str, extra: Sequence[str] = (), patterns: Sequence[str] = ()) -> str:
     """Mask tokens, Authorization headers, signing secrets, this service's own Slack secrets,
     the given secret values and `patterns`."""
     extra = [*extra, *(os.environ.get(k, "") for k in SECRET_ENV)]
-    for pattern in _SECRETS:
-        text = pattern.sub(lambda m: (m.group(1) if m.lastindex else "") + "[redacted]", text)
+    for secret_re in _SECRETS:
+        text = secret_re.sub(lambda m: (m.group(1) if m.lastindex else "") + "[redacted]", text)
     for secret in extra:
         if secret:
             text = text.replace(secret, "[redacted]")

@@ -136,7 +136,7 @@ def status_text(status: RunStatus) -> str:
         tau = tau_text(st.progress) if name == "train" else None
         if tau:
             lines.append(f"{'':<8} {tau} (simulated from the validation's top-1 by depth; eval-draft measures it)")
-        mass = mass_line(st.progress) if name == "extract" and st.run == status.run else None
+        mass = mass_line(st.progress) if name == "extract" and st.run == status.run and st.progress else None
         if mass:
             lines.append(f"{'':<8} {mass}")
         if st.out:
@@ -150,7 +150,8 @@ _TRANSPORTS = {"socket-mode": "Slack Socket Mode", "http": "Slack HTTP events"}
 
 def transport_line(t: dict) -> str:
     """How serve receives commands and buttons, and whether that works right now."""
-    name = _TRANSPORTS.get(t.get("kind"), t.get("kind"))
+    kind = str(t.get("kind"))
+    name = _TRANSPORTS.get(kind, kind)
     if t.get("state") in ("connected", "listening"):
         return f"commands: {name} {t['state']} since {clock_time(t.get('since'))}"
     text = f"commands: {name} {t.get('state')} since {clock_time(t.get('since'))}"
