@@ -105,7 +105,7 @@ def load_corpus(data_dir: Path, *, skip_bad: bool, val_share: float = 0.05, max_
             seq, cut = max_length, cut + 1
         if seq >= 2:
             samples.append(SampleInfo(idx, path, seq))
-    if not samples:
+    if not samples or layers is None or hidden is None:  # (a sample is kept only once its file was read)
         raise UserError(f"{data_dir}: no usable samples")
     val = [s for s in samples if random.Random(s.idx).random() < val_share] or samples[:1]
     val_ids = {s.idx for s in val}
@@ -160,7 +160,8 @@ def batches(samples: list[SampleInfo], *, budget: int, seed: int, epoch: int) ->
     """Length-aware batches under a token budget (padded size), in an order fixed by (seed, epoch)."""
     rng = random.Random(seed * 1_000_003 + epoch)
     order = sorted(samples, key=lambda s: (s.tokens, rng.random()))
-    out, cur = [], []
+    out: list[list[SampleInfo]] = []
+    cur: list[SampleInfo] = []
     for s in order:
         if cur and (len(cur) + 1) * max(s.tokens, cur[-1].tokens) > budget:
             out.append(cur)
@@ -234,7 +235,8 @@ class EpochBatches:
     def __init__(self, samples: list[SampleInfo], *, budget: int, seed: int, world: int, rank: int) -> None:
         self.samples, self.budget, self.seed, self.world, self.rank = samples, budget, seed, world, rank
         self.per_rank = max(1, len(batches(samples, budget=budget, seed=seed, epoch=0)) // world)
-        self.epoch, self.order = None, []
+        self.epoch: int | None = None
+        self.order: list[list[SampleInfo]] = []
 
     def __call__(self, number: int) -> list[SampleInfo]:
         epoch, i = divmod(number - 1, self.per_rank)
@@ -254,7 +256,7 @@ class BatchStream(torch.utils.data.Dataset):
         return max(0, self.last - self.first + 1)
 
     def __getitem__(self, i: int):
-        bad = [] if self.skip_bad else None
+        bad: list[str] | None = [] if self.skip_bad else None
         return load_batch(self.plan(self.first + i), bad=bad), bad or []
 
 

@@ -79,7 +79,7 @@ def dump_json(backend: str) -> str:
     from torch._C import _distributed_c10d as c10d
 
     fn = getattr(c10d, "_dump_nccl_trace_json", None) if backend == "nccl" else None
-    fn = fn or c10d._dump_fr_trace_json
+    fn = fn or getattr(c10d, "_dump_fr_trace_json")  # noqa: B009 - private, absent from torch's stubs
     text = fn(True, False)  # collectives included, completed ones too: the last completed is the evidence
     return text.decode() if isinstance(text, bytes) else text
 
@@ -89,7 +89,7 @@ def dump_json(backend: str) -> str:
 
 def request_dumps(directory: Path) -> list[int]:
     """Knock on every rank's request FIFO (and PyTorch's NCCL pipes) without blocking; returns the ranks knocked."""
-    knocked = []
+    knocked: list[int] = []
     if not directory.is_dir():
         return knocked
     for path in sorted(directory.iterdir()):
@@ -186,8 +186,8 @@ def summarize(dumps: dict[int, dict | str], now: float) -> list[str]:
         ago = f", entered {fmt_age(waited)} ago" if waited is not None else ""
         if not behind and not pending or waited is not None and waited < MOVING_S:
             if pg == "0" or len(groups) == 1:
-                lows = min(p[0] for p in at.values())
-                span = f"#{top:,}" if lows == top else f"#{lows:,}–#{top:,}"
+                lowest = min(p[0] for p in at.values())
+                span = f"#{top:,}" if lowest == top else f"#{lowest:,}–#{top:,}"
                 lines.append(f"every rank has finished {op} #{top:,}{group}{ago}: none waits in a collective"
                              if not behind and not pending else
                              f"collectives are moving{group}: the ranks are at {op} {span}{ago}")

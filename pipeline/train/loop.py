@@ -267,7 +267,7 @@ def draft_config(args, corpus: Corpus, target: Target) -> DraftConfig:
 
 def validate(model, corpus: Corpus, head: TargetHead, final_norm, args, device) -> dict:
     """Top-1 accuracy of each unrolled step against the target's argmax, and the most-frequent-token baseline."""
-    hits, counts, argmaxes = [0] * args.ttt, [0] * args.ttt, Counter()
+    hits, counts, argmaxes = [0] * args.ttt, [0] * args.ttt, Counter[int]()
     model.eval()
     with torch.no_grad():
         for b in batches(corpus.val, budget=args.token_budget, seed=args.seed, epoch=0):
@@ -324,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         if corpus.final_slot == "pre-norm":
             eps = float(target.config.get("rms_norm_eps") or 1e-5)
             final_norm = RMSNorm(target.hidden, eps).to(d.device)
+            assert target.norm is not None, "load_target(need_norm=True) refuses a target without one"
             with torch.no_grad():
                 final_norm.weight.copy_(target.norm)
             final_norm.requires_grad_(False)
@@ -337,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
         model, cfg = build(args, corpus, target, d)
         if args.compile:
             compile_draft(model)
-        source = ("the final hidden state (" + corpus.final_slot + ") through the target's LM head"
+        source = (f"the final hidden state ({corpus.final_slot}) through the target's LM head"
                   if corpus.layers == 4 else f"the stored top-{corpus.topk} logprobs")
         if d.rank == 0:
             covered = int(model.t2d.sum())

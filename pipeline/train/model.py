@@ -156,6 +156,10 @@ def frozen(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 class Eagle3Draft(nn.Module):
     """SGLang's Llama EAGLE-3 draft; the target's embedding is a frozen buffer."""
 
+    d2t: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    t2d: torch.Tensor
+    embed_tokens: torch.Tensor
+
     def __init__(self, c: DraftConfig, embed: torch.Tensor) -> None:
         super().__init__()
         self.c = c
@@ -235,7 +239,8 @@ def step_losses(logits: list[torch.Tensor], target: dict):
     """
     p, valid, top, ent = target["p"], target["valid"], target["top"], target["ent"]
     T = p.shape[1]
-    loss, entropy, total, acc = 0.0, 0.0, 0.0, []
+    loss, entropy = torch.zeros((), device=p.device), torch.zeros((), device=p.device)
+    total, acc = 0.0, []
     for k, lg in enumerate(logits):
         shift = 1 + k
         if T - shift < 1:
@@ -263,15 +268,11 @@ class TargetHead:
     def argmax(self, final: torch.Tensor) -> torch.Tensor:
         """The target's top token over the whole vocabulary, a chunk of rows at a time (never [B, T, V]);
         ties go to the lower id, as torch.argmax's."""
-        best_val, best_id = None, None
-        for start in range(0, self.full.shape[0], self.CHUNK):
+        best_val, best_id = (final @ self.full[: self.CHUNK].T).max(-1)
+        for start in range(self.CHUNK, self.full.shape[0], self.CHUNK):
             val, idx = (final @ self.full[start: start + self.CHUNK].T).max(-1)
-            idx = idx + start
-            if best_val is None:
-                best_val, best_id = val, idx
-            else:
-                better = val > best_val
-                best_val, best_id = torch.where(better, val, best_val), torch.where(better, idx, best_id)
+            better = val > best_val
+            best_val, best_id = torch.where(better, val, best_val), torch.where(better, idx + start, best_id)
         return best_id
 
 
@@ -295,6 +296,8 @@ def build_target(batch: dict, model: Eagle3Draft, head: TargetHead | torch.Tenso
     hot = model.hot_ids()
     with torch.no_grad():
         if "final" in batch:
+            if head is None:
+                raise ValueError("a batch with the final hidden state needs the target's head")
             if not isinstance(head, TargetHead):
                 head = TargetHead(head, model)
             final = batch["final"]

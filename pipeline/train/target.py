@@ -116,6 +116,8 @@ def load_target(path: str, *, need_norm: bool) -> Target:
         raise UserError(f"--target-model {path}: no tensor {', '.join(missing)}; give the target's Hugging Face "
                         "directory (its model.safetensors.index.json names every tensor)")
     embed, head = found["embed"], found["head"]  # as stored (bf16 on real targets): the trainer casts them where used
+    if embed is None or head is None:  # (said above as missing)
+        raise UserError(f"--target-model {path}: no embedding or lm_head tensor")
     if embed.shape != head.shape:
         raise UserError(f"--target-model {path}: embedding is {list(embed.shape)} but lm_head is {list(head.shape)}")
     norm = None if found["norm"] is None else found["norm"].float()  # [H]: small
