@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 MANIFEST_NAME = "manifest.sqlite"
 MASS_WARN = 0.95  # a top-K holding less of the target's probability than this, on average, is warned about
@@ -166,6 +167,17 @@ def read_done(out_dir: Path) -> tuple[dict[str, str], list[int]]:
     return meta, done
 
 
+
+
+class Keys(Protocol):
+    """Each data line's content key, by line: a list, or the extraction's compact `LineKeys`."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, idx: int) -> str: ...
+
+    def __iter__(self) -> Iterator[str]: ...
+
 @dataclass
 class Reconciliation:
     """What a manifest's recorded samples are to a (possibly other) version of the data: `Manifest.reconcile`."""
@@ -248,7 +260,7 @@ class Manifest:
             "line_hash, topk_mass) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (idx, sample_id, status, tokens, nbytes, attempts, error, now, latency_s, line_hash, topk_mass))
 
-    def reconcile(self, keys: Sequence[str], *, same_data: bool) -> Reconciliation:
+    def reconcile(self, keys: Keys, *, same_data: bool) -> Reconciliation:
         """Match the recorded samples to the data's lines by content (`keys`: each line's `line_hash`).
 
         A done sample stays where its line still reads the same; one whose line moved (lines inserted or

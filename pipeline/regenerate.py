@@ -232,7 +232,8 @@ class Regenerator:
 
     def _work(self, data, todo: list[int], manifest: Manifest) -> None:
         fh = open(self.o.data, "rb")  # noqa: SIM115 - read by this thread only
-        pending, it, last = {}, iter(todo), time.monotonic()
+        pending: dict = {}
+        it, last = iter(todo), time.monotonic()
         count = {"done": 0, "failed": 0}
         with ThreadPoolExecutor(max_workers=self.o.concurrency) as pool:
             try:
@@ -285,6 +286,8 @@ class Regenerator:
         is prepared once more at the end, so its tokens and mask are the template's. An answer cut at
         --max-new-tokens ends the conversation before it (never trained as a finished turn)."""
         chats = self.chats
+        if chats is None:
+            raise AssertionError("regenerate_chat runs only with --target-model (the chat source)")
         turns, tools = chats.conversation(sid)
         done: list[dict] = []
         for turn in turns:
@@ -384,6 +387,8 @@ class ChatSource:
         self.reasoning = not str(meta.get("reasoning", "")).startswith("dropped")
         if not self.path.is_file():
             raise UserError(f"--target-model: the chat file {self.path} that {o.data} was prepared from is gone")
+        if not o.target_model:
+            raise UserError("--target-model: the target's directory is needed to re-render its chat template")
         self.tok = load_tokenizer(o.target_model, trust_remote_code=o.trust_remote_code)
         self.renderer = Renderer(self.tok)
         self.lock = threading.Lock()  # one tokenizer, many request threads

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +71,7 @@ class LineKeys:
             raise IndexError(idx)
         return self.buf[idx * KEY_BYTES:(idx + 1) * KEY_BYTES].hex()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return (self[i] for i in range(len(self)))
 
 

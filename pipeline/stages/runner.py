@@ -46,13 +46,14 @@ def run_stage(*, ws: Workspace, stage: str, proc_id: int) -> int:
         return 0
     ws = ws.for_run(proc.run_id)
     cfg = ws.stage(stage)
+    argv = json.loads(proc.argv or "[]")  # recorded with the row by `start` (an empty one cannot start: said below)
     try:
         child = subprocess.Popen(
-            json.loads(proc.argv), cwd=str(ws.resolve(cfg.cwd) or ws.root), env=stage_env(ws, stage, run=proc.run_id),
+            argv, cwd=str(ws.resolve(cfg.cwd) or ws.root), env=stage_env(ws, stage, run=proc.run_id),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
     except OSError as exc:
-        program = json.loads(proc.argv)[0] if proc.argv else "?"
+        program = argv[0] if argv else "?"
         why = f"cannot start {program!r}: {exc.strerror or exc}"
         if "/" not in program:
             why += " (not on PATH: give stages." + stage + ".argv[0] as an absolute path; `eagle3 check-config`)"

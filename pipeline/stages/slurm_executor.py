@@ -33,7 +33,7 @@ class SlurmExecutor:
         with its exit code and Slurm's reason. A job the cluster no longer knows is unknown, never running."""
         if not proc.job_id:
             try:  # submitted, but the service died before recording the id: find it by its name
-                found = slurm.find(proc.job_name)
+                found = slurm.find(_name(proc))
             except slurm.SlurmError as exc:
                 transition(self.store, proc, StageState.UNKNOWN,
                            reason=f"cannot ask Slurm about job {proc.job_name}: {exc}")
@@ -48,7 +48,7 @@ class SlurmExecutor:
                                reason=f"never started: no Slurm job named {proc.job_name} (the submission "
                                       "did not reach the cluster)")
                 return
-        info = slurm.query(proc.job_id)
+        info = slurm.query(proc.job_id or "")
         if not info.known:
             transition(self.store, proc, StageState.UNKNOWN, reason=info.reason or "the cluster does not answer")
         elif info.pending:
@@ -78,9 +78,9 @@ class SlurmExecutor:
         cfg = ws.stage(stage)
         log = ws.log_path(stage)
         log.parent.mkdir(parents=True, exist_ok=True)
-        text = slurm.batch_script(name=proc.job_name, argv=cfg.argv, cfg=cfg, slurm=ws.config.slurm, log=log,
+        text = slurm.batch_script(name=_name(proc), argv=cfg.argv, cfg=cfg, slurm=ws.config.slurm, log=log,
                                   cwd=ws.resolve(cfg.cwd) or ws.root)
-        script = slurm.write_script(ws.state_dir / "slurm", proc.job_name, text)
+        script = slurm.write_script(ws.state_dir / "slurm", _name(proc), text)
         env = stage_env(ws, stage, run=proc.run_id)  # sbatch exports it to the job: ours without the Slack secrets
         try:
             job = slurm.submit(script, env=env)
@@ -119,9 +119,14 @@ class SlurmExecutor:
     def _wait_job(self, proc: StageProc, timeout_s: float) -> bool:
         deadline = self.host.clock() + timeout_s
         while True:
-            info = slurm.query(proc.job_id)
+            info = slurm.query(proc.job_id or "")
             if info.ended or not info.known:
                 return True
             if self.host.clock() >= deadline:
                 return False
             self.host.sleep(JOB_POLL_S)
+
+
+def _name(proc: StageProc) -> str:
+    """The job's name on the cluster: recorded with its row before submission (as `slurm.job_name` makes it)."""
+    return proc.job_name or slurm.job_name(proc.run_id or "", proc.stage, proc.id)

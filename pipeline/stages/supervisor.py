@@ -97,7 +97,7 @@ class Supervisor:
     def is_running(self, stage: str) -> bool:
         """True when the stage's latest process is verified alive."""
         proc = self.store.latest_proc(stage)
-        return bool(proc) and proc.state == StageState.RUNNING
+        return proc is not None and proc.state == StageState.RUNNING
 
     # --- start ----------------------------------------------------------------
     def start(self, stage: str, *, only_if=None, restart_count: int = 0) -> StageProc | None:
