@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
@@ -220,7 +221,7 @@ class Controller:
 
     def audit(self, *, user: str, channel: str | None, action: str, outcome: str, detail: str | None = None) -> None:
         """Record who asked for what through chat, and how it ended (done, refused, stale, accepted…)."""
-        self.store.audit(user=user, channel=channel, action=action, outcome=outcome, detail=detail)
+        self.store.audit(user=user, channel=channel, action=action, outcome=outcome, detail=detail or "")
 
     def training_running(self) -> bool:
         """Training's latest process may be alive (from the store: no probe)."""
@@ -386,7 +387,7 @@ class Controller:
             state=proc.state, pid=proc.pid, exit_code=proc.exit_code, signal=proc.signal,
             started_at=proc.started_at, ended_at=proc.ended_at,
             uptime_s=round(now - proc.started_at, 1) if running and proc.started_at else None,
-            log=proc.log, reason=proc.reason, run=proc.run_id, stop_requested=bool(proc.stop_requested),
+            log=proc.log or str(self.ws.log_path(stage)), reason=proc.reason, run=proc.run_id, stop_requested=bool(proc.stop_requested),
             job=proc.job_id if proc.executor == "slurm" else None, out=self._out(stage, proc.run_id))
         return self._with_verdict(stage, proc, st)
 
@@ -402,16 +403,19 @@ class Controller:
             said = (Verdict.STARTING, "just started; not observed yet") if alive and proc.state != StageState.UNKNOWN \
                 else (Verdict.UNKNOWN, f"ended ({proc.reason or proc.state}); not observed since" if proc.ended_at
                       else "not observed yet")  # just started: the next tick observes it
-            return replace(st, diagnosis=StoredVerdict(t=None, stage=stage, verdict=said[0], reasons=(said[1],)))
+            return replace(st, diagnosis=StoredVerdict(t=self.store.clock(), stage=stage, verdict=said[0],
+                                                       reasons=(said[1],)))
         if not alive and not v.final and v.verdict not in (Verdict.STOPPED, Verdict.DONE, Verdict.DEAD):
             # The verdict was made while it ran; until the next tick observes the end, say what is known.
             stopped = proc.state == StageState.STOPPED
             why = (f"stopped on request ({proc.reason})" if proc.stop_requested else proc.reason) if stopped \
                 else f"ended ({proc.reason}); its verdict comes with the next observation"
+            why = why or "stopped on request"
             v = replace(v, verdict=Verdict.STOPPED if stopped else Verdict.UNKNOWN, eta_s=None,
                         eta_low_s=None, eta_high_s=None, reasons=(why,))
         obs = self.store.latest_observation(stage) or {}
-        return replace(st, observed=True, diagnosis=v, gaps=obs.get("unknown"), **{k: obs.get(k) for k in READING_KEYS})
+        readings: dict[str, Any] = {k: obs.get(k) for k in READING_KEYS}
+        return replace(st, observed=True, diagnosis=v, gaps=obs.get("unknown"), **readings)
 
     def state_version(self) -> str:
         """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""

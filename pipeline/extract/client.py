@@ -491,7 +491,7 @@ class Extractor:
         freed, self.work.freed = self.work.freed, asyncio.Event()
         freed.set()
 
-    async def _send(self, client, job: _Job) -> bytes:
+    async def _send(self, client, job: _Job) -> bytearray:
         body = self._body(job)
         if self.on_request:
             self.on_request(+1, time.monotonic())

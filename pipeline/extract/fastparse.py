@@ -139,6 +139,8 @@ def _matrix(buf, starts: list[int], ends: list[int]) -> np.ndarray | None:
                     buf[o - 1], buf[c + 1] = before, after
             else:
                 rows = parser.parse(b"[" + bytes(buf[o:c + 1]) + b"]")
+            if not isinstance(rows, simdjson.Array):  # (the text is wrapped in brackets: always an array)
+                return None
             widths = {len(r) if isinstance(r, simdjson.Array) else -1 for r in rows}
             k = len(rows)
             if len(widths) != 1 or min(widths) <= 0 or (d is not None and d not in widths) or k != j - i + 1:

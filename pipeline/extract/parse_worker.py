@@ -224,7 +224,9 @@ class ParseWorker:
         self.loop = asyncio.get_running_loop()
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.extract.parse_worker", str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self._in, self._out = self.stdin.fileno(), self.stdout.fileno()
         self.pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self.gone: str | None = None
@@ -247,7 +249,7 @@ class ParseWorker:
             if reply is None:
                 reason = self._death()
                 self._call(self._fail_all, reason)
-                self.proc.stdout.close()
+                self.stdout.close()
                 return
             if "ready" not in reply:
                 self._call(self._resolve, reply)
@@ -259,7 +261,7 @@ class ParseWorker:
             pass
 
     def _resolve(self, reply: dict) -> None:
-        fut = self.pending.pop(reply.get("id"), None)
+        fut = self.pending.pop(int(reply.get("id", -1)), None)
         if fut is not None and not fut.done():
             fut.set_result(reply)
 
@@ -303,7 +305,7 @@ class ParseWorker:
     def close(self, timeout_s: float = 10.0) -> None:
         """End the worker (its input closes: it exits, abandoning what is in flight) and reap it."""
         try:
-            self.proc.stdin.close()
+            self.stdin.close()
         except OSError:
             pass
         try:

@@ -41,7 +41,7 @@ def plan(info: dict, *, layers: int | None, topk: int | None, longest: int) -> P
     if layers is None or layers < 3:
         problems.append("the server returns only the final layer; EAGLE-3 needs the 3 auxiliary layers: start it with "
                         "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 (or pass --layers)")
-    if problems:
+    if problems or layers is None:  # (no layer count is among the problems)
         raise UserError("server refused by preflight:\n  " + "\n  ".join(problems))
     final = layers >= 4
     k = 0 if final else (topk or DEFAULT_TOPK)

@@ -128,7 +128,7 @@ def innermost(dump: str) -> str | None:
     main = next((t for t in found if t[0] == "MainThread"), found[0])
     others = Counter(frames[0] for name, frames in found
                      if (name, frames) != main and frames and not name.startswith(OUR_THREADS)
-                     and not any(q in frames[0] for q in QUIET_FRAMES) and frames[0] != (main[1] or [None])[0])
+                     and not any(q in frames[0] for q in QUIET_FRAMES) and frames[0] != next(iter(main[1]), None))
     said = [main[1][0]] if main[1] else []
     said += [f"{n} thread{'s' if n > 1 else ''} in {frame}" for frame, n in others.most_common(2)]
     return ", ".join(said) or None
@@ -138,7 +138,7 @@ def _processes(store: Store, stage: str) -> list[psutil.Process]:
     proc = store.latest_proc(stage)
     if proc is None or proc.pid is None or proc.has_ended:
         return []
-    return group_processes(proc.pgid, proc.create_time or 0)[:MAX_PROCESSES]
+    return group_processes(proc.pgid if proc.pgid is not None else proc.pid, proc.create_time or 0)[:MAX_PROCESSES]
 
 
 def _run(store: Store, stage: str) -> str | None:
@@ -352,8 +352,8 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
     where = [f"pid {pid}{ranks[pid]} in {innermost(text)}" for pid, text, _ in dumps if text and innermost(text)]
     if where:
         ev.summary.append(f"{stage}: " + "; ".join(where[:8]) + ("; …" if len(where) > 8 else ""))
-    for why in reasons:
-        ev.summary.append(f"stacks: {why}")
+    for reason in reasons:
+        ev.summary.append(f"stacks: {reason}")
     for pid, text, why in dumps:
         ev.sections.append((f"stack of pid {pid}{ranks[pid]} (py-spy dump)", text or why or "empty"))
     if knocked is not None:

@@ -7,6 +7,7 @@ while its previous call still hangs. Nothing here runs on a Slack request path.
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -99,12 +100,12 @@ class Sampler:
         cfg = ws.stage(stage)
         if cfg.files_dir:
             return ws.resolve(cfg.files_dir)
-        out = getattr(cfg, "out", None)
+        out = ws.out_dir(stage)
         if out is None:
             return None
         if stage == "regenerate":
-            return lines_dir(ws.resolve(out))
-        return ws.resolve(out) / "hidden_states" if stage == "extract" else ws.resolve(out)
+            return lines_dir(out)
+        return out / "hidden_states" if stage == "extract" else out
 
     def _judged(self, stage: str, row: StageProc) -> bool:
         """Whether this ended process's final verdict is stored already (by this service before a restart): a
@@ -148,7 +149,7 @@ class Sampler:
             calls["server"] = self.server.read
         bound = {stage: self._run_of(stage, row) for stage, row in active.items()}
         for stage, row in active.items():
-            calls[f"{stage}.process"] = lambda row=row: read_process(row, clock=self.clock)
+            calls[f"{stage}.process"] = functools.partial(read_process, row, clock=self.clock)
             fdir = self._files_dir(bound[stage], stage)
             if fdir is not None:
                 calls[f"{stage}.files"] = self._scanner(stage, fdir, bound[stage]).scan

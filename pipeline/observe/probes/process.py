@@ -98,7 +98,7 @@ def read_process(row: StageProc | None, *, clock=time.time) -> Reading:
     stop = bool(row.stop_requested)
     if row.has_ended:
         code = row.exit_code if row.exit_code is not None else (-row.signal if row.signal else None)
-        value = {"alive": False, "exit_code": code, "stop_requested": stop}
+        value: dict[str, object] = {"alive": False, "exit_code": code, "stop_requested": stop}
         line = last_log_line(row.log) if code and not stop else None
         if line:
             value["last_line"] = line
@@ -112,7 +112,7 @@ def read_process(row: StageProc | None, *, clock=time.time) -> Reading:
         return known(value, clock=clock)
     if row.pid is None:
         return known({"alive": None, "exit_code": None, "stop_requested": stop}, clock=clock)
-    members = group_processes(row.pgid, row.create_time or 0)
+    members = group_processes(row.pgid if row.pgid is not None else row.pid, row.create_time or 0)
     if not members:
         # Gone, but the runner has not recorded how yet: say so rather than guess "vanished".
         return Reading(t=clock(), value={"alive": None, "exit_code": None, "stop_requested": stop},
