@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
+from typing import TextIO
 
 from pipeline.errors import UserError
 
@@ -15,7 +16,7 @@ class ServeLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fh = None
+        self.fh: TextIO | None = None
 
     def __enter__(self) -> ServeLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ cannot).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def alt_text(stage: str, run: str | None = None) -> str:
     return f"eagle3 {stage}{f', run {run}' if run else ''}: {what} over time, with GPU use; times in UTC"
 
 
-def draw(observations: list[dict], *, stage: str, events: list[dict] = (), title: str | None = None,
+def draw(observations: list[dict], *, stage: str, events: Sequence[dict] = (), title: str | None = None,
          verdict: StoredVerdict | None = None):
     """The figure for `observations` (one stage, time order); `events`: the stage's stored events (verdict
     changes, restarts); `verdict`: the stage's stored verdict (its ETA band; None: recomputed from the
@@ -73,41 +74,41 @@ def draw(observations: list[dict], *, stage: str, events: list[dict] = (), title
                          "legend.fontsize": FONT_PT - 1}):
         fig, axes = plt.subplots(rows, 1, figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, sharex=True,
                                  squeeze=False)
-        axes = [a[0] for a in axes]
+        panels = [a[0] for a in axes]
         step = next((o["progress"]["done"] for o in reversed(obs) if stage == "train"
                      and isinstance(o.get("progress"), dict) and isinstance(o["progress"].get("done"), (int, float))),
                     None)
         fig.suptitle((title or f"eagle3 — {stage}") + (f" — step {int(step):,}" if step is not None else ""),
                      fontsize=FONT_PT + 1)
         if not obs:
-            axes[0].text(0.5, 0.5, "no observations yet", ha="center", va="center", transform=axes[0].transAxes)
+            panels[0].text(0.5, 0.5, "no observations yet", ha="center", va="center", transform=panels[0].transAxes)
         elif stage == "train":
-            _training(axes[0], axes[1], obs)
+            _training(panels[0], panels[1], obs)
             steps = [(o["t"], o["progress"]) for o in obs if isinstance(o.get("progress"), dict)
                      and isinstance(o["progress"].get("done"), (int, float))]
             if steps:
-                _marks(axes[0], steps, events, end=obs[-1]["t"])
+                _marks(panels[0], steps, events, end=obs[-1]["t"])
         else:
             last = verdict if verdict is not None else _recomputed(obs, stage)
-            _progress(axes[0], obs, last, events)
-            _rate(axes[1], obs)
+            _progress(panels[0], obs, last, events)
+            _rate(panels[1], obs)
         if gpus:
-            _gpus(axes[2], axes[3], obs)
+            _gpus(panels[2], panels[3], obs)
         locator = mdates.AutoDateLocator(tz=UTC, minticks=3, maxticks=6)
         # every tick a whole clock time ("18:30", "18:45"; seconds only where the span is that short), never a
         # bare "15" or "30" that reads as a count
         formatter = mdates.ConciseDateFormatter(locator, tz=UTC, formats=TICK_FORMATS, zero_formats=TICK_ZERO_FORMATS,
                                                 show_offset=True)
-        for ax in axes:
+        for ax in panels:
             ax.grid(alpha=0.3)
             ax.xaxis.set_major_locator(locator)
             ax.xaxis.set_major_formatter(formatter)
-        axes[-1].set_xlabel("time (UTC)")
+        panels[-1].set_xlabel("time (UTC)")
         fig.tight_layout()
     return fig
 
 
-def render(observations: list[dict], *, stage: str, out: Path, events: list[dict] = (), title: str | None = None,
+def render(observations: list[dict], *, stage: str, out: Path, events: Sequence[dict] = (), title: str | None = None,
            verdict: StoredVerdict | None = None) -> Path:
     """Draw into a PNG at `out`; returns `out`."""
     import matplotlib.pyplot as plt
@@ -143,6 +144,8 @@ def _recomputed(obs: list[dict], stage: str) -> StoredVerdict:
     last = None
     for o in obs:
         last = d.feed(o)
+    if last is None:
+        raise ValueError(f"no observation of {stage} to judge")
     return StoredVerdict.of(last, proc_id=0, run=None, final=last.verdict in ("done", "dead", "stopped"))
 
 
@@ -201,7 +204,7 @@ def _marks(ax, pts: list[tuple[float, dict]], events, *, end: float) -> None:
     """What happened, on the progress panel: each stall or death shaded over its no-progress span (from the last
     progress before it was flagged to its recovery, or to now), a dotted line where the stored verdict flagged it
     (what the alert said, when it said it), recoveries, restarts and the handoff."""
-    stuck: dict[str, float] | None = None  # {verdict, since: the flag's time}
+    stuck: dict | None = None  # {verdict, flagged: the flag's time}
     spans, labelled = [], set()
     for e in sorted((e for e in events or () if isinstance(e.get("t"), (int, float))), key=lambda e: e["t"]):
         t, d, kind = e["t"], e.get("data") or {}, e.get("kind")

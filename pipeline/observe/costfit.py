@@ -155,6 +155,7 @@ class CostModel:
         self.last_t: float | None = None
         self.missing = [0] * TERMS  # rows (in the fit now) without each term: a term counts only if none lacks it
         self._coef: tuple[float, ...] | None = None
+        self._fit: tuple | None = None
         self._dirty = True
         self._profile: list[list[float]] | None = None
         self._profile_dirty = True
@@ -196,7 +197,7 @@ class CostModel:
 
     def sigma2(self) -> float:
         """The residual variance of a row (0 before a fit)."""
-        return self._fit[3] if self.coefficients() is not None else 0.0
+        return self._fit[3] if self.coefficients() is not None and self._fit is not None else 0.0
 
     def predict_range(self, *, samples: float, tokens: float | None,
                       tokens_sq: float | None = None) -> tuple[float, float] | None:
@@ -214,7 +215,7 @@ class CostModel:
     def predict_sd(self, *, samples: float, tokens: float | None, tokens_sq: float | None = None) -> float | None:
         """The standard error of `predict` for this much work: σ·√(x'(X'X)⁻¹x) with σ from the residuals.
         Large where the fit extrapolates (long prompts still to come, seen only short ones)."""
-        if self.coefficients() is None:
+        if self.coefficients() is None or self._fit is None:
             return None
         chosen, scale, a, sigma2 = self._fit
         values = (samples, tokens, tokens_sq)

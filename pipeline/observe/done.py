@@ -53,13 +53,13 @@ def progress_call(ws: Workspace, stage: str, files: dict | None, *, clock=time.t
         where = parts_dir(out) if stage == "regenerate" and out is not None else out
         return lambda: read_manifest(where, clock=clock, stage=stage, run=run)
     if source == "progress-jsonl" and (cfg.progress_file or cfg.progress_fields):
-        path = ws.resolve(cfg.progress_file) or (ws.resolve(getattr(cfg, "out", None) or ".") / "progress.jsonl")
+        path = ws.resolve(cfg.progress_file) or ((ws.out_dir(stage) or ws.root) / "progress.jsonl")
         return lambda: read_jsonl_progress(path, cfg.progress_fields, clock=clock)
     if source == "progress-jsonl":
         return lambda: read_train_progress(ws.resolve(getattr(cfg, "out", None)), clock=clock, run=run)
     if source == "tensorboard":
         if stage not in readers:
-            readers[stage] = TensorboardProgress(ws.resolve(cfg.progress_dir), tag=cfg.progress_tag,
+            readers[stage] = TensorboardProgress(ws.resolve(cfg.progress_dir), tag=cfg.progress_tag or "",
                                                  total=cfg.progress_total, total_tag=cfg.progress_total_tag,
                                                  loss_tag=cfg.loss_tag, clock=clock)
         return readers[stage].read

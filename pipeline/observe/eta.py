@@ -222,7 +222,7 @@ class EtaEstimator:
             return None
         eta = 0.5 * short[0] + 0.5 * long[0]
         spread = [*short, *long]
-        if sq_range is not None and answer:  # past a quarter: the bounds of what is not known
+        if sq_range is not None and tokens_left is not None and answer:  # past a quarter: the bounds of what is not known
             k2n = tokens_left * tokens_left / samples_left  # Σtokens² left: all prompts alike …
             bound = self.SPREAD_BOUND_UNSEEN if self._unseen else self.SPREAD_BOUND  # … to CV 1 (or √2)
             sq_range = (min(sq_range[0], k2n), sq_range[1], max(sq_range[2], bound * k2n))
@@ -368,7 +368,7 @@ class _Decayed:
 
     def __init__(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
-        self.values = (0.0, 0.0, 0.0, 0.0)
+        self.values: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
         self.last_t: float | None = None
 
     def add(self, t: float, row: tuple[float, float, float, float]) -> None:

@@ -28,7 +28,7 @@ def replay(lines: Iterable[str], *, policy: Policy | None = None) -> Iterator[Re
         try:
             obs = json.loads(line)
         except ValueError as exc:
-            yield ReplayLine(lineno, skipped=f"not JSON ({exc.msg})")
+            yield ReplayLine(lineno, skipped=f"not JSON ({getattr(exc, 'msg', exc)})")
             continue
         if not isinstance(obs, dict) or not isinstance(obs.get("t"), (int, float)) or not isinstance(obs.get("stage"), str):
             yield ReplayLine(lineno, skipped='needs a numeric "t" and a string "stage"')

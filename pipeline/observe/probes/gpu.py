@@ -103,7 +103,7 @@ class GpuProbe:
         with self._lock:
             backend = self._get()
             if backend is None:
-                return unknown(self._init_error, clock=self.clock)
+                return unknown(self._init_error or "NVML is not available", clock=self.clock)
             try:
                 return known([self._one(backend, i, pid_stage or {}) for i in range(backend.count())], clock=self.clock)
             except Exception as exc:  # noqa: BLE001

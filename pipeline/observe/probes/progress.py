@@ -124,7 +124,9 @@ class LogProgress:
 
     def __init__(self, path: Path, pattern: str, *, clock=time.time) -> None:
         self.path, self.regex, self.clock = Path(path), re.compile(pattern), clock
-        self.offset, self.inode, self.last = 0, None, None
+        self.offset = 0
+        self.inode: int | None = None
+        self.last: dict | None = None
         self.behind = False  # the last read stopped at READ_PER_CALL with more of the log to read
 
     def read(self) -> Reading:

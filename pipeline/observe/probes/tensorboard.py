@@ -200,18 +200,20 @@ class TensorboardProgress:
             self.lock.release()
 
     def _read(self) -> Reading:
+        reader = self.reader
+        if reader is None:  # (read() says so before it takes the lock)
+            return unknown("progress_dir is not configured", clock=self.clock)
         try:
-            s = self.reader.read()
+            s = reader.read()
         except ImportError:
             return unknown("progress = \"tensorboard\" needs the tensorboard package: "
                            "pip install 'eagle3-ops[tensorboard]'", clock=self.clock)
         except OSError as exc:
-            return unknown(f"progress_dir {self.reader.directory}: {exc.strerror or exc}", clock=self.clock)
+            return unknown(f"progress_dir {reader.directory}: {exc.strerror or exc}", clock=self.clock)
         last = s.last.get(self.tag)
         if last is None:
-            where = self.reader.directory
-            return unknown(f"{where}: no {self.tag!r} scalar in its event files yet"
-                           + (" (still reading a long file)" if self.reader.behind else ""), clock=self.clock)
+            return unknown(f"{reader.directory}: no {self.tag!r} scalar in its event files yet"
+                           + (" (still reading a long file)" if reader.behind else ""), clock=self.clock)
         total = self.total
         if total is None and self.total_tag and self.total_tag in s.last:
             total = int(s.last[self.total_tag][1])
