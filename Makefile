@@ -32,8 +32,15 @@ bench: $(STAMP)
 drills: $(STAMP)
 	$(PY) -m bench.drills
 
-lint: $(STAMP)
+# ruff, then mypy over pipeline/, handlers/ and bot/ (pyproject's [tool.mypy]; its packages installed once)
+LINT_STAMP := $(VENV)/.lint-done
+$(LINT_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[lint]"
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check bot handlers pipeline tests bench
+	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache

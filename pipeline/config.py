@@ -10,7 +10,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -310,6 +310,15 @@ class Workspace:
                                          run=run)
         return self._bound[run]
 
+    @overload
+    def resolve(self, value: str) -> Path: ...
+
+    @overload
+    def resolve(self, value: None) -> None: ...
+
+    @overload
+    def resolve(self, value: str | None) -> Path | None: ...
+
     def resolve(self, value: str | None) -> Path | None:
         """Resolve a configured path against the config's directory (None stays None)."""
         if value is None:
@@ -419,7 +428,8 @@ class LiveWorkspace:
     loaded, so a request touches no file."""
 
     def __init__(self, ws: Workspace) -> None:
-        self.ws, self.error, self.changes = ws, None, 0
+        self.ws, self.changes = ws, 0
+        self.error: str | None = None
         self.seen = _stat(ws.path)
 
     def current(self) -> Workspace:

@@ -127,7 +127,6 @@ class Controller:
             self.store.reopen_run(reopen[0], reason=f"start train by {by}: training on its verified extraction")
         moved = self._set_training_aside(by=by) if fresh else None
         proc = self.supervisor.start(stage)
-        assert proc is not None  # only a start with `only_if` (the handoff's) may decline
         proc.set_aside = str(moved) if moved else None
         proc.reopened = reopen[0] if reopen else None
         return proc

@@ -153,7 +153,7 @@ def fetch(url: str, prompt: list[int], new_tokens: int, target_hidden: int, clie
 
 
 def read_prompts(path: Path, n: int, length: int) -> list[list[int]]:
-    prompts = []
+    prompts: list[list[int]] = []
     try:
         with open(path, "rb") as fh:
             for lineno, raw in enumerate(fh, 1):

@@ -71,17 +71,18 @@ def normalise(scaling, *, where: str = "rope_scaling") -> dict | None:
         raise RopeError(f"{where}: {problem}; supported: {', '.join(SUPPORTED)} (SGLang's get_rope for a Llama draft)")
     if kind == "default":
         return None
-    out = {"rope_type": kind}
+    out: dict[str, object] = {"rope_type": kind}
     for key in KEYS[kind]:
         if key in scaling and scaling[key] is not None:
             value = scaling[key]
             if key != "truncate" and (isinstance(value, bool) or not isinstance(value, int | float)):
                 raise RopeError(f"{where}.{key}: {value!r} is not a number")
             out[key] = value
-    if float(out.get("factor", 1.0)) <= 0:
-        raise RopeError(f"{where}.factor: {out['factor']} must be positive")
-    if "factor" in out:  # SGLang's LinearScalingRotaryEmbedding refuses an int factor; a float means the same
-        out["factor"] = float(out["factor"])
+    factor = out.get("factor")
+    if isinstance(factor, int | float):
+        if factor <= 0:
+            raise RopeError(f"{where}.factor: {factor} must be positive")
+        out["factor"] = float(factor)  # SGLang's LinearScalingRotaryEmbedding refuses an int factor; a float means the same
     return out
 
 
@@ -90,12 +91,13 @@ def from_config(config: dict) -> tuple[float, dict | None]:
     transformers v5's `rope_parameters` first, then `rope_theta` / `rope_scaling`; a top-level
     `original_max_position_embeddings` joins the scaling."""
     params = config.get("rope_parameters")
+    scaling: dict | None
     if isinstance(params, dict):
         theta, scaling = params.get("rope_theta", 10000.0), dict(params)
         scaling.pop("rope_theta", None)
     else:
-        theta, scaling = config.get("rope_theta") or 10000.0, config.get("rope_scaling")
-        scaling = dict(scaling) if isinstance(scaling, dict) else scaling
+        theta, given = config.get("rope_theta") or 10000.0, config.get("rope_scaling")
+        scaling = dict(given) if isinstance(given, dict) else given
     if isinstance(scaling, dict) and config.get("original_max_position_embeddings"):
         scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     return float(theta), normalise(scaling)

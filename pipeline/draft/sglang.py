@@ -113,7 +113,8 @@ def config_problems(c: dict) -> list[str]:
         rope.from_config(c)
     except rope.RopeError as exc:
         problems.append(f"config.json: {exc}")
-    scaling = c.get("rope_scaling") if isinstance(c.get("rope_scaling"), dict) else {}
+    given = c.get("rope_scaling")
+    scaling: dict = given if isinstance(given, dict) else {}
     if rope.rope_type(scaling) == "linear" and isinstance(scaling.get("factor"), int):
         problems.append(f"config.json: rope_scaling.factor is the integer {scaling['factor']}: SGLang's "
                         "LinearScalingRotaryEmbedding takes a float (write it as a float)")
@@ -157,7 +158,7 @@ def load_rules(c: dict, tensors: dict[str, torch.Tensor], *, embedding_from_targ
     want = sglang_params(c)
     d = Dims.of(c)
     params: dict[str, torch.Tensor] = {}
-    filled: dict[str, set] = {}
+    filled: dict[str, set[object]] = {}
     hot = None
     for name, w in tensors.items():
         orig = name
@@ -199,10 +200,11 @@ def load_rules(c: dict, tensors: dict[str, torch.Tensor], *, embedding_from_targ
                 problems.append(f"{orig}: shape {list(w.shape)}, SGLang expects {list(want[pname])}")
                 continue
             params[pname] = w.float()
-    shards = {"model.layers.0.self_attn.qkv_proj.weight": {"q", "k", "v"}, "model.layers.0.mlp.gate_up_proj.weight": {0, 1}}
+    shards: dict[str, set[object]] = {"model.layers.0.self_attn.qkv_proj.weight": {"q", "k", "v"},
+                                      "model.layers.0.mlp.gate_up_proj.weight": {0, 1}}
     for pname, need in shards.items():
         if pname in params and filled.get(pname) != need:
-            problems.append(f"{pname}: shards {sorted(map(str, need - filled.get(pname, set())))} missing")
+            problems.append(f"{pname}: shards {sorted(str(x) for x in need if x not in filled.get(pname, set()))} missing")
     for pname in want:
         if pname in params:
             continue
@@ -256,7 +258,7 @@ class SglangDraft:
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cache entries (drop the last round's draft steps)."""
-        if self.k is not None:
+        if self.k is not None and self.v is not None:
             self.k, self.v = self.k[:, :length], self.v[:, :length]
 
     @property

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import overload
 
 from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import StageError
@@ -100,7 +101,14 @@ class Supervisor:
         return proc is not None and proc.state == StageState.RUNNING
 
     # --- start ----------------------------------------------------------------
-    def start(self, stage: str, *, only_if=None, restart_count: int = 0) -> StageProc | None:
+    @overload
+    def start(self, stage: str, *, only_if: None = None, restart_count: int = 0) -> StageProc: ...
+
+    @overload
+    def start(self, stage: str, *, only_if: Callable[[], bool], restart_count: int = 0) -> StageProc | None: ...
+
+    def start(self, stage: str, *, only_if: Callable[[], bool] | None = None,
+              restart_count: int = 0) -> StageProc | None:
         """Start `stage` under a detached runner (or submit it as a Slurm job); returns its process row
         once it has a pid (or a job id). `restart_count`: the restarts before it (the restart policy's; a
         start by hand is 0). With `only_if`, a check made in the same transaction as the row's insert: when it fails nothing is

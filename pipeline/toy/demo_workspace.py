@@ -11,6 +11,7 @@ import random
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from pipeline.prepare import prepare
 
@@ -29,7 +30,8 @@ EOT = 255  # the toy conversations' end-of-turn token, <|im_end|> (regenerate st
 
 def _words(rng: random.Random, low: int, high: int) -> str:
     """Lower-case words of 2–7 letters, low–high characters in all."""
-    text, size = [], rng.randint(low, high)
+    text: list[str] = []
+    size = rng.randint(low, high)
     while sum(map(len, text)) + len(text) < size:
         text.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))))
     return " ".join(text)
@@ -56,7 +58,8 @@ def write_dataset(path: Path, n: int = SAMPLES, *, seed: int = 7, turns: bool = 
     with open(path, "w") as fh:
         for i in range(n):
             if turns:
-                ids, mask = [], []
+                ids: list[int] = []
+                mask: list[int] = []
                 for _ in range(2):
                     user = [rng.randrange(EOT) for _ in range(rng.randint(16, 96))]
                     answer = [rng.randrange(EOT) for _ in range(rng.randint(8, 32))] + [EOT]
@@ -87,7 +90,7 @@ def config_text(*, python: str, port: int, steps: int = TRAIN_STEPS, regenerate:
              "--lr", "1e-2", "--ttt", "5", "--token-budget", "1024", "--save-every", "100",
              # the toy's own settings (the defaults are a real draft's: 1e-4, cosine, clip 0.5)
              "--schedule", "constant", "--warmup-ratio", "0.05", "--max-grad-norm", "1.0"]
-    restarting = {"restart": "on-failure", "restart_backoff_s": 1}
+    restarting: dict[str, Any] = {"restart": "on-failure", "restart_backoff_s": 1}
     sections = [
         _section("monitor", tick_s=1, stall_floor_s=30, fake_gpus=2,
                  notes={"fake_gpus": "scripted idle GPUs in place of NVML"}),

@@ -12,7 +12,9 @@ class EmaRate:
     """tqdm-style: an exponential moving average of the per-tick rate (smoothing 0.3)."""
 
     def __init__(self, smoothing: float = 0.3) -> None:
-        self.smoothing, self.rate, self.last = smoothing, None, None
+        self.smoothing = smoothing
+        self.rate: float | None = None
+        self.last: tuple[float, float] | None = None
 
     def eta(self, t: float, processed: float, total: float) -> float | None:
         if self.last is not None and t > self.last[0]:
@@ -26,11 +28,11 @@ class AverageRate:
     """Elapsed time per sample so far, times the samples left."""
 
     def __init__(self) -> None:
-        self.t0 = None
+        self.t0: float | None = None
 
     def eta(self, t: float, processed: float, total: float) -> float | None:
-        self.t0 = self.t0 if self.t0 is not None else t
-        return (total - processed) * (t - self.t0) / processed if processed else None
+        t0 = self.t0 = self.t0 if self.t0 is not None else t
+        return (total - processed) * (t - t0) / processed if processed else None
 
 
 def oracle_eta(trace: Trace, processed: int) -> float | None:
@@ -57,7 +59,7 @@ def eta_errors(trace: Trace) -> dict[str, dict[int, float | None]]:
     finish = t_start + trace.finish_s
     diag, ema, avg = Diagnoser(stage=trace.scenario.stage), EmaRate(), AverageRate()
     avg.t0 = t_start
-    out = {"eagle3": {}, "tqdm-ema": {}, "average-rate": {}, "oracle": {}, "band": {}}
+    out: dict[str, dict] = {"eagle3": {}, "tqdm-ema": {}, "average-rate": {}, "oracle": {}, "band": {}}
     pending = list(CHECKPOINTS)
     for obs in trace.observations:
         v = diag.feed(obs)

@@ -18,10 +18,12 @@ class ToyServer:
         self.flags = flags
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.toy.server", "--port", str(port), *flags],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = self.proc.stdout.readline()
+        assert self.proc.stdout is not None  # stdout=PIPE
+        self.out = self.proc.stdout
+        line = self.out.readline()
         if "listening on" not in line:
             self.proc.kill()
-            raise RuntimeError(f"toy server did not start: {line}{self.proc.stdout.read()}")
+            raise RuntimeError(f"toy server did not start: {line}{self.out.read()}")
         self.url = line.split("listening on ")[1].split()[0]
         self.port = int(self.url.rsplit(":", 1)[1])
 
@@ -37,13 +39,13 @@ class ToyServer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        self.proc.stdout.close()
+        self.out.close()
 
 
 def write_dataset(path: Path, n: int, *, seed: int = 0, lo: int = 16, hi: int = 200, bad_lines: tuple = ()) -> list:
     """n samples of random token ids; `bad_lines` indices hold malformed lines. Returns the ids (None if bad)."""
     rng = random.Random(seed)
-    samples = []
+    samples: list[list[int] | None] = []
     with open(path, "w") as fh:
         for i in range(n):
             if i in bad_lines:

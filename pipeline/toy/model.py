@@ -133,7 +133,9 @@ class ToyLM(nn.Module):
             ident = torch.randn(VOCAB, IDENT.stop - IDENT.start, generator=gen)
             emb[:, IDENT] = ident / ident.norm(dim=1, keepdim=True) * math.sqrt(IDENT.stop - IDENT.start)
             self.embed_tokens.weight.copy_(emb)
-            self._previous_token_heads(self.layers[PREV_LAYER])
+            prev = self.layers[PREV_LAYER]
+            assert isinstance(prev, Block)
+            self._previous_token_heads(prev)
             head = torch.randn(VOCAB, HIDDEN, generator=gen) * LOGIT_SCALE / math.sqrt(IDENT.stop - IDENT.start)
             head[:, CONST] = 0.0
             head = head / head.norm(dim=1, keepdim=True) * LOGIT_SCALE * math.sqrt(HIDDEN / (IDENT.stop - IDENT.start))

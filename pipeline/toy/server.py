@@ -18,20 +18,28 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import torch
-
-try:  # an answer's hidden states are ~1,000 floats a token: orjson writes them 20× faster than json (the same values)
-    from orjson import dumps as _dumps
-except ImportError:  # a `train` extra installed before orjson joined it
-    def _dumps(body) -> bytes:
-        return json.dumps(body).encode()
 
 from pipeline.draft.capture import captured_layers
 from pipeline.toy.model import HIDDEN, LAYERS, VOCAB, ToyLM, export_target
 
+
+def _encoder() -> Callable[[Any], bytes]:
+    """An answer's hidden states are ~1,000 floats a token: orjson writes them 20× faster than json (the same
+    values); json where a `train` extra was installed before orjson joined it."""
+    try:
+        from orjson import dumps
+    except ImportError:
+        return lambda body: json.dumps(body).encode()
+    return dumps
+
+
+_dumps = _encoder()
 VERSION = "0.5.23-toy"
 
 
@@ -84,7 +92,7 @@ class ToyState:
         temperature = float(params.get("temperature") or 0.0)
         finish = {"type": "length", "length": new_tokens}
         with self.lock:
-            cache = [{} for _ in range(LAYERS)]  # keys and values: a decode step costs one position, as SGLang's
+            cache: list[dict] = [{} for _ in range(LAYERS)]  # keys and values: a decode step costs one position, as SGLang's
             aux, final, logits = self.model(ids, capture=self.capture, cache=cache)
             out_ids, rows_decode = [], []
             cur_logits = logits[-1]

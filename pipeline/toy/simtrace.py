@@ -11,6 +11,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.observe.latency import LatencyProfile
 
@@ -153,7 +154,8 @@ def simulate(sc: Scenario) -> Trace:
     horizon = (stop_t if math.isfinite(stop_t) else ends[-1]) + sc.end_extra_ticks * sc.tick_s
     if fault is not None:
         horizon = fault + 3600.0
-    obs, i_done, cpu, written, tok_done, sq_done, moments = [], 0, 0.0, 0.0, 0, 0, LatencyProfile()
+    obs: list[dict] = []
+    i_done, cpu, written, tok_done, sq_done, moments = 0, 0.0, 0.0, 0, 0, LatencyProfile()
     tokens_total, sq_total = sum(lengths), sum(n * n for n in lengths)
     t0 = 1_790_000_000.0
     for k in itertools.count(1):
@@ -179,7 +181,7 @@ def simulate(sc: Scenario) -> Trace:
         cpu += 0.5 * sc.tick_s if parsing and not stalled else 0.0
         loading = kind == "validate" and 0 <= t - (ends[i_done] - sc.validate_s) < sc.validate_load_s
         cpu += 1.0 * sc.tick_s if loading else 0.0
-        new_bytes = sum(lengths[j] for j in range(prev, i_done)) * LAYERS * HIDDEN * 2
+        new_bytes = float(sum(lengths[j] for j in range(prev, i_done)) * LAYERS * HIDDEN * 2)
         flushing = False
         if in_flight and sc.stage == "train" and kind != "validate":
             if ends[i_done] - t >= sc.checkpoint_quiet_s:
@@ -188,7 +190,7 @@ def simulate(sc: Scenario) -> Trace:
                 flushing = kind == "checkpoint" and sc.quiet_in_fsync
         written += new_bytes
         failed = int(i_done * sc.fail_share)
-        o = {"t": t0 + t, "stage": sc.stage,
+        o: dict[str, Any] = {"t": t0 + t, "stage": sc.stage,
              "process": {"alive": not (crashed or exited0 or finished), "cpu_s": round(cpu, 2),
                          "exit_code": -9 if crashed else (0 if (exited0 or finished) else None),
                          "disk_wait": int(flushing or (stalled and sc.stall_kind == "filesystem-hang"))},
@@ -206,15 +208,15 @@ def simulate(sc: Scenario) -> Trace:
             util, power = (100.0, 95.0) if hang else ((97.0, sc.busy_power_w) if busy else (0.0, 90.0))
             o["gpus"] = [{"index": g, "util": util, "mem_used_mb": 75000, "power_w": power, "power_limit_w": 700.0}
                          for g in range(8)]
-            o["server"] = {"healthy": not (hang and t >= fault + 20),
+            o["server"] = {"healthy": not (hang and fault is not None and t >= fault + 20),
                            "running_reqs": 32 if wedged else (1 if ((requesting and not stalled) or hang) else 0),
                            "queue_reqs": 0, "requests_total": int(i_done * 1.2 + k)}
         if sc.stage == "train" and sc.train_gpus:  # rank 0 writes the checkpoint or validates; the others wait
-            idle, busy, spin = {"util": 0.0, "power_w": 90.0}, {"util": 97.0, "power_w": sc.busy_power_w}, \
+            idle, working, spin = {"util": 0.0, "power_w": 90.0}, {"util": 97.0, "power_w": sc.busy_power_w}, \
                 {"util": 100.0, "power_w": 95.0}
-            rank0 = idle if kind == "checkpoint" or loading else busy
+            rank0 = idle if kind == "checkpoint" or loading else working
             o["gpus"] = [{"index": g, "mem_used_mb": 60000, "power_limit_w": 700.0,
-                          **(rank0 if g == 0 else spin if kind in ("checkpoint", "validate") else busy)}
+                          **(rank0 if g == 0 else spin if kind in ("checkpoint", "validate") else working)}
                          for g in range(8)]
         obs.append(o)
         if o["process"]["alive"] is False:
