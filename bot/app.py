@@ -21,7 +21,7 @@ from handlers import buttons, home, slash
 from handlers.auth import guard
 from pipeline.config import LiveWorkspace, Workspace
 from pipeline.controller import Controller
-from pipeline.store import Store
+from pipeline.store import thread_store
 
 log = logging.getLogger("eagle3.bot")
 DEFAULT_API_URL = "https://slack.com/api/"
@@ -59,15 +59,11 @@ def build_app(*, ws: Workspace, token: str, signing_secret: str, api_url: str | 
     app = App(client=slack_client(token, api_url), signing_secret=signing_secret, token_verification_enabled=False,
               process_before_response=False)
 
-    local = threading.local()
-
     def controller_factory() -> Controller:
-        # Listeners run in Bolt's bounded pool: each of its threads keeps one sqlite connection, opened
-        # without the integrity check (serve ran it once at start), so a request opens nothing.
-        store = getattr(local, "store", None)
-        if store is None:
-            store = local.store = Store(ws.store_path, check_integrity=False)
-        return Controller(workspace=live.ws if live is not None else ws, store=store)  # what the monitor loaded
+        # Listeners run in Bolt's bounded pool: each of its threads keeps one sqlite connection (`thread_store`),
+        # so a request opens nothing.
+        return Controller(workspace=live.ws if live is not None else ws,  # what the monitor loaded
+                          store=thread_store(ws.store_path))
 
     _warm_authorization(app)
     # authorization and audit, in front of every listener; a refused click is answered from Bolt's own pool

@@ -23,7 +23,7 @@ from pipeline.controller import Controller
 from pipeline.errors import ConfigError, UserError
 from pipeline.monitor import Monitor
 from pipeline.servelock import ServeLock
-from pipeline.store import CONSOLE_CHANNEL, KV, Store
+from pipeline.store import CONSOLE_CHANNEL, KV, Store, thread_store
 
 if TYPE_CHECKING:  # types only: Bolt's Socket Mode and wsgiref load when serve uses them
     from wsgiref.simple_server import WSGIServer
@@ -111,22 +111,6 @@ def _serve(ws: Workspace, *, max_ticks: int | None, http_port: int | None, host:
     return 0
 
 
-_threads = threading.local()
-
-
-def thread_store(ws: Workspace):
-    """This thread's connection to the workspace's store, opened once and kept: each delivery pass,
-    transport record or warning reuses it instead of opening the store (and running its integrity check, a pass
-    over the whole file) again. serve checks the store once at start."""
-    stores = getattr(_threads, "stores", None)
-    if stores is None:
-        stores = _threads.stores = {}
-    store = stores.get(ws.store_path)
-    if store is None:
-        store = stores[ws.store_path] = Store(ws.store_path, check_integrity=False)
-    return store
-
-
 class Delivery:
     """The notifier in its own thread and store connection: a Slack that is slow, rate-limiting
     or down delays no observation, verdict or handoff step. Each pass also posts the run's
@@ -147,7 +131,7 @@ class Delivery:
     def post_status(self) -> None:
         """Enqueue (or refresh) the open run's status message."""
         with self.lock:
-            ctl = Controller(workspace=self.ws, store=thread_store(self.ws))
+            ctl = Controller(workspace=self.ws, store=thread_store(self.ws.store_path))
             try:
                 status = ctl.status(sample_if_unmonitored=False)
                 if status.run:
@@ -157,7 +141,7 @@ class Delivery:
 
     def one_pass(self) -> None:
         """A new run's status post if it has none yet, then collect and deliver."""
-        store = thread_store(self.ws)
+        store = thread_store(self.ws.store_path)
         if self.notifier.needs_status(store):
             self.post_status()
         final = self.notifier.final_due(store)
@@ -188,7 +172,7 @@ class Delivery:
                       error)
         except OSError:
             return
-        thread_store(self.ws).put(KV.SLACK_AUTH, result)
+        thread_store(self.ws.store_path).put(KV.SLACK_AUTH, result)
         self.auth_checked = True
 
     def _loop(self) -> None:
@@ -215,7 +199,7 @@ class Delivery:
             except Exception:  # noqa: BLE001
                 log.exception("last slack delivery pass failed; the messages stay in the outbox")
                 return
-            due = [m for m in thread_store(self.ws).pending_messages(channel=self.notifier.channel)
+            due = [m for m in thread_store(self.ws.store_path).pending_messages(channel=self.notifier.channel)
                    if m["next_try"] <= time.time()]
             if not due or time.monotonic() >= deadline:
                 return
@@ -346,7 +330,7 @@ class Inputs:
                   "Slack spreads commands over them at random, so another eagle3 serve may answer for this one. "
                   "Give each host (or controller) its own Slack app")
         log.warning("slack: %s", reason)
-        store = thread_store(self.ws)
+        store = thread_store(self.ws.store_path)
         store.add_event(kind="transport-warning", run_id=store.current_run(), data={"reason": reason})
 
     def _on_close(self, code: int, reason: str | None = None) -> None:
@@ -355,7 +339,7 @@ class Inputs:
                      f", {reason}" if reason else "")
 
     def _record(self, state: str, error: str | None, **extra) -> None:
-        store = thread_store(self.ws)
+        store = thread_store(self.ws.store_path)
         old = store.get(KV.TRANSPORT) or {}
         since = old.get("since") if old.get("state") == state else time.time()
         store.put(KV.TRANSPORT, {"kind": self.kind, "state": state, "error": error, "since": since,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -463,3 +464,19 @@ class Store:
         self.db.table("audit").insert(
             {"t": self.clock(), "user": user, "channel": channel, "action": action, "outcome": outcome, "detail": detail}
         )
+
+
+_threads = threading.local()
+
+
+def thread_store(path: Path) -> Store:
+    """This thread's connection to the store at `path`, opened once and kept (without the integrity check: the
+    service checked the store once at start). The service's delivery passes and Bolt's listener threads each
+    reuse theirs instead of opening the store again; the one cache of connections."""
+    stores = getattr(_threads, "stores", None)
+    if stores is None:
+        stores = _threads.stores = {}
+    store = stores.get(path)
+    if store is None:
+        store = stores[path] = Store(path, check_integrity=False)
+    return store

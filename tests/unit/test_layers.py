@@ -416,7 +416,12 @@ def test_the_service_keeps_one_store_per_thread():
     """bot/service.py opens the store once at start (its check) and once per thread (`thread_store`), never per
     pass (issue 36): a pass a second used to run the integrity check over the whole file each time."""
     text = (ROOT / "bot" / "service.py").read_text()
-    assert text.count("Store(") == 2 and "def thread_store" in text
+    assert text.count("Store(") == 1 and "thread_store(" in text
+    # one cache of per-thread connections, the store's, for the service and Bolt's listener threads alike
+    caches = [str(p.relative_to(ROOT)) for package in ("bot", "handlers", "pipeline")
+              for p in (ROOT / package).rglob("*.py")
+              if "threading.local()" in p.read_text() and "Store(" in p.read_text()]
+    assert caches == ["pipeline/store.py"], caches
 
 
 def test_listeners_start_no_thread_of_their_own():
