@@ -71,7 +71,7 @@ def answer(ctl, verb: str, args: list[str], *, user: str) -> tuple[str, list]:
     """(fallback text, blocks) for one verb."""
     status = ctl.status(sample_if_unmonitored=False)
     if verb == "status":
-        return status_blocks(status, version=ctl.state_version())
+        return status_blocks(status, version=status.version)
     if verb in ("stuck", "eta"):
         started = status.started()
         lines = ([eta_line(n, st, slack=True) + run_label(st, status.run) for n, st in started.items()]

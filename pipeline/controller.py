@@ -11,7 +11,7 @@ from typing import Any
 from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
-from pipeline.handoff.machine import Handoff, handoff_state
+from pipeline.handoff.machine import Handoff, handoff_of, handoff_state
 from pipeline.observe import forensics
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
@@ -329,8 +329,10 @@ class Controller:
 
     def monitor_running(self) -> bool:
         """True when `eagle3 serve` stored a heartbeat within the last two ticks."""
-        beat = self.store.get(KV.MONITOR) or {}
-        return self.store.clock() - beat.get("t", 0) <= 2 * self.ws.config.monitor.tick_s + 1
+        return self._beating(self.store.get(KV.MONITOR))
+
+    def _beating(self, beat: dict | None) -> bool:
+        return self.store.clock() - (beat or {}).get("t", 0) <= 2 * self.ws.config.monitor.tick_s + 1
 
     def status(self, *, sample_if_unmonitored: bool = True) -> RunStatus:
         """The status object of `eagle3 status --json`, from the store.
@@ -342,8 +344,7 @@ class Controller:
         """
         if sample_if_unmonitored:
             self.supervisor.refresh()
-        monitored = self.monitor_running()
-        if not monitored and sample_if_unmonitored and any(
+        if sample_if_unmonitored and not self.monitor_running() and any(
                 self.supervisor.is_running(s) or self._unobserved_end(s) for s in STAGE_NAMES):
             from pipeline.observe.sampler import Sampler
 
@@ -352,24 +353,31 @@ class Controller:
                 sampler.tick()
             finally:
                 sampler.close()
+        # what the answer shows, read in a few batched reads: every stage's latest process at once, the kv entries
+        # (heartbeat, handoff, transport, Slack's auth, config, each stage's verdict) at once, the run, the outbox
         now = self.store.clock()
-        handoff = handoff_state(self.store)
+        procs = self.store.latest_procs()
+        kv = self.store.get_many([KV.MONITOR, KV.HANDOFF, KV.TRANSPORT, KV.SLACK_AUTH, KV.CONFIG_CHANGED,
+                                  *(KV.verdict(s) for s in STAGE_NAMES)])
+        run = self.store.current_run()
+        monitored = self._beating(kv.get(KV.MONITOR))
+        handoff = handoff_of(kv.get(KV.HANDOFF), run)
+        transport = kv.get(KV.TRANSPORT)
         return RunStatus(
-            run=self.store.current_run(), monitor="running" if monitored else "not running",
+            run=run, monitor="running" if monitored else "not running",
             autostart="off" if not handoff or handoff["step"] == CANCELLED else handoff["step"],
             autostart_reason=(handoff or {}).get("reason"), outbox=self.store.outbox_summary(),
-            transport=self._transport(monitored), slack_auth=self.store.get(KV.SLACK_AUTH) if monitored else None,
-            config_changed=self.store.get(KV.CONFIG_CHANGED) if monitored else None,
-            stages={stage: self._stage_status(stage, now) for stage in STAGE_NAMES if self._shown(stage)})
+            transport=transport if transport and monitored and transport.get("state") != "stopped" else None,
+            slack_auth=kv.get(KV.SLACK_AUTH) if monitored else None,
+            config_changed=kv.get(KV.CONFIG_CHANGED) if monitored else None,
+            version=f"{run}:{(handoff or {}).get('step', 'off')}",
+            stages={stage: self._stage_status(stage, now, procs.get(stage),
+                                              StoredVerdict.from_json(kv.get(KV.verdict(stage))))
+                    for stage in STAGE_NAMES if self._shown(stage, procs)})
 
-    def _shown(self, stage: str) -> bool:
+    def _shown(self, stage: str, procs: dict[str, StageProc]) -> bool:
         """Status shows server, extract and train always; the optional regenerate once configured or run."""
-        return stage in REQUIRED_STAGES or bool(self.ws.stage(stage).argv) or self.store.latest_proc(stage) is not None
-
-    def _transport(self, monitored: bool) -> dict | None:
-        """How `serve` receives Slack's commands and buttons (Socket Mode, HTTP), while it runs."""
-        transport = self.store.get(KV.TRANSPORT)
-        return transport if transport and monitored and transport.get("state") != "stopped" else None
+        return stage in REQUIRED_STAGES or bool(self.ws.stage(stage).argv) or stage in procs
 
     def _unobserved_end(self, stage: str) -> bool:
         proc = self.store.latest_proc(stage)
@@ -377,8 +385,7 @@ class Controller:
         return proc is not None and proc.state != StageState.RUNNING and (
             verdict is None or verdict.proc_id != proc.id or not verdict.final)
 
-    def _stage_status(self, stage: str, now: float) -> StageStatus:
-        proc = self.store.latest_proc(stage)
+    def _stage_status(self, stage: str, now: float, proc: StageProc | None, v: StoredVerdict | None) -> StageStatus:
         if not proc:
             return StageStatus(state=StageState.NOT_STARTED, log=str(self.ws.log_path(stage)))
         running = proc.state == StageState.RUNNING
@@ -388,15 +395,14 @@ class Controller:
             uptime_s=round(now - proc.started_at, 1) if running and proc.started_at else None,
             log=proc.log or str(self.ws.log_path(stage)), reason=proc.reason, run=proc.run_id, stop_requested=bool(proc.stop_requested),
             job=proc.job_id if proc.executor == "slurm" else None, out=self._out(stage, proc.run_id))
-        return self._with_verdict(stage, proc, st)
+        return self._with_verdict(stage, proc, st, v)
 
     def _out(self, stage: str, run: str | None) -> str | None:
         """The stage's configured output as `run` sees it (`{run}` expanded), or None."""
         out = self.ws.for_run(run).out_dir(stage)
         return str(out) if out else None
 
-    def _with_verdict(self, stage: str, proc: StageProc, st: StageStatus) -> StageStatus:
-        v = self.store.verdict(stage)
+    def _with_verdict(self, stage: str, proc: StageProc, st: StageStatus, v: StoredVerdict | None) -> StageStatus:
         alive = proc.state in MAYBE_ALIVE_STATES
         if not v or v.proc_id != proc.id:
             said = (Verdict.STARTING, "just started; not observed yet") if alive and proc.state != StageState.UNKNOWN \

@@ -129,6 +129,7 @@ class RunStatus:
     transport: dict | None = None  # how serve receives Slack's commands, while it runs
     slack_auth: dict | None = None
     config_changed: dict | None = None  # the config file no longer reads as serve started with it {t, error, file}
+    version: str = ""  # what a button rendered from this status is against ("run:step"; not in the JSON)
 
     def started(self) -> dict[str, StageStatus]:
         """The stages that were ever started, in pipeline order."""

@@ -246,6 +246,12 @@ class Store:
         row = self.db.execute("SELECT value FROM kv WHERE key = ?", [key]).fetchone()
         return json.loads(row[0]) if row else default
 
+    def get_many(self, keys: list[str]) -> dict[str, Any]:
+        """The JSON values of `keys` in one read (a key without one is absent)."""
+        marks = ",".join("?" * len(keys))
+        rows = self.db.execute(f"SELECT key, value FROM kv WHERE key IN ({marks})", keys).fetchall()
+        return {k: json.loads(v) for k, v in rows}
+
     def put(self, key: str, value: Any) -> None:
         """Store a JSON value in the kv table."""
         self.db.table("kv").upsert({"key": key, "value": json.dumps(value)}, pk="key")
@@ -327,8 +333,18 @@ class Store:
     def latest_proc(self, stage: str, *, run: str | None = None) -> StageProc | None:
         """The most recent process row of a stage (of one run, with `run`)."""
         where, args = ("stage = ?", [stage]) if run is None else ("stage = ? AND run_id = ?", [stage, run])
-        rows = list(self.db.table("stage_procs").rows_where(where, args, order_by="id desc", limit=1))
-        return StageProc.from_row(rows[0]) if rows else None
+        rows = self._proc_rows(f"SELECT * FROM stage_procs WHERE {where} ORDER BY id DESC LIMIT 1", args)
+        return rows[0] if rows else None
+
+    def latest_procs(self) -> dict[str, StageProc]:
+        """Each stage's most recent process row, in one read."""
+        return {p.stage: p for p in self._proc_rows(
+            "SELECT * FROM stage_procs WHERE id IN (SELECT MAX(id) FROM stage_procs GROUP BY stage)", [])}
+
+    def _proc_rows(self, sql: str, args: list) -> list[StageProc]:
+        cur = self.db.execute(sql, args)
+        cols = [c[0] for c in cur.description]
+        return [StageProc.from_row(dict(zip(cols, r, strict=True))) for r in cur.fetchall()]
 
     def procs(self, stage: str, *, after: int = 0) -> list[StageProc]:
         """A stage's process rows with an id above `after`, oldest first."""
@@ -423,12 +439,11 @@ class Store:
 
     def outbox_summary(self) -> dict:
         """Counts of pending and failed outgoing messages, with the newest error (for `eagle3 status`)."""
-        pending, failed = self.db.execute(
-            "SELECT SUM(status = 'pending'), SUM(status = 'failed') FROM outbox WHERE channel != ?",
-            [CONSOLE_CHANNEL]).fetchone()
-        last = self.db.execute("SELECT last_error FROM outbox WHERE last_error IS NOT NULL AND status != 'sent' "
-                               "AND channel != ? ORDER BY id DESC LIMIT 1", [CONSOLE_CHANNEL]).fetchone()
-        return {"pending": pending or 0, "failed": failed or 0, "last_error": last[0] if last else None}
+        pending, failed, last = self.db.execute(
+            "SELECT SUM(status = 'pending'), SUM(status = 'failed'), (SELECT last_error FROM outbox WHERE last_error "
+            "IS NOT NULL AND status != 'sent' AND channel != ? ORDER BY id DESC LIMIT 1) FROM outbox WHERE channel != ?",
+            [CONSOLE_CHANNEL, CONSOLE_CHANNEL]).fetchone()
+        return {"pending": pending or 0, "failed": failed or 0, "last_error": last}
 
     # --- events and audit ---------------------------------------------------
     def add_event(self, *, kind: str, run_id: str | None = None, stage: str | None = None, data: dict | None = None) -> int:

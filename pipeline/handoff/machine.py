@@ -52,10 +52,13 @@ def handoff_state(store: Store) -> dict | None:
     history once a newer run is open; with no run open, the last one still shows how it ended
     (nothing advances it: completion reads only an open run's stages). One armed while no run was
     open (`run` None) is armed for the next run, which it joins."""
-    state = store.get(KEY)
+    return handoff_of(store.get(KEY), store.current_run())
+
+
+def handoff_of(state: dict | None, run: str | None) -> dict | None:
+    """`handoff_state` from what was read already: the stored handoff and the open run."""
     if not state:
         return None
-    run = store.current_run()
     if run is not None and state.get("run") not in (None, run):
         return None
     return state
