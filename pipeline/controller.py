@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import replace
@@ -69,7 +70,13 @@ class Controller:
         self.ws = workspace
         self._owns_store = store is None  # a store handed in belongs to the caller, who closes it
         self.store = store or Store(workspace.store_path, check_integrity=check_integrity)
-        self.supervisor = Supervisor(workspace=workspace, store=self.store, host=host)
+        self._host = host
+
+    @functools.cached_property
+    def supervisor(self) -> Supervisor:
+        """Made when a verb first acts on a stage: read-only verbs (status, eta, gpus…) build no supervisor, host
+        or Slurm executor."""
+        return Supervisor(workspace=self.ws, store=self.store, host=self._host)
 
     @classmethod
     def open(cls, config: str | None) -> Controller:

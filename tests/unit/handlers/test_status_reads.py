@@ -41,3 +41,22 @@ def test_status_answers_with_at_most_half_the_reads_it_took_and_shows_what_it_re
     assert len(reads) == 4 + 2, reads  # four batched reads, and the two observed stages' latest observations
     shown = str(blocks)
     assert "extract" in shown and f"Run {run}" in shown and f'"v": "{run}:off"' in shown.replace("\\", ""), shown
+
+
+def test_read_only_verbs_build_no_supervisor(tmp_path, monkeypatch):
+    """A status, an ETA or the GPUs read the store: no Supervisor, RealHost or SlurmExecutor is made for them."""
+    from pipeline.stages import supervisor
+
+    def refused(*a, **kw):
+        raise AssertionError("a read-only verb built a Supervisor")
+
+    monkeypatch.setattr(supervisor.Supervisor, "__init__", refused)
+    ws = Workspace(config=parse_config('[stages.extract]\nargv = ["x"]\nout = "out"\n', name="e.toml"),
+                   path=tmp_path / "eagle3.toml")
+    store = Store(ws.store_path)
+    try:
+        ctl = Controller(workspace=ws, store=store)
+        for verb in ("status", "eta", "stuck", "gpus"):
+            answer(ctl, verb, [], user="U1")
+    finally:
+        store.close()
