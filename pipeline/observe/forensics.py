@@ -153,7 +153,8 @@ def _collectives(fr_dir: Path, knocked: list[int], since: float, started: float,
                 "one started before the recorder was on): the stacks stand alone"]
     deadline = min(started + budget_s, since + FLIGHT_WAIT_S)
     while True:
-        dumps = flight.read_dumps(fr_dir, knocked, since=since)
+        # a second's slack: a filesystem with coarse timestamps may stamp a dump just made before the knock's time
+        dumps = flight.read_dumps(fr_dir, knocked, since=since - 1.0)
         if all(isinstance(d, dict) for d in dumps.values()) or time.time() >= deadline:
             return flight.summarize(dumps, time.time())
         time.sleep(0.1)
