@@ -21,10 +21,14 @@ def refusal(slack_cfg, *, user: str, channel: str | None, mutating: bool) -> str
 
 
 
-def request_facts(body: dict) -> tuple[str, str, str | None, str, bool]:
-    """(kind, user, channel, what, mutating) of a Slack request: a slash command, a button, or an event."""
+COMMAND = "eagle3_command"  # the request context's key for the parsed slash command (verb, args)
+
+
+def request_facts(body: dict, command: tuple[str, list[str]] | None = None) -> tuple[str, str, str | None, str, bool]:
+    """(kind, user, channel, what, mutating) of a Slack request: a slash command (`command`: its parse), a button,
+    or an event."""
     if "command" in body:
-        verb, _ = parse(body.get("text", ""))
+        verb, _ = command or parse(body.get("text", ""))
         return "command", body.get("user_id", "?"), body.get("channel_id"), verb, verb in MUTATING
     if body.get("type") == "block_actions":
         action = (body.get("actions") or [{}])[0].get("action_id", "?")
@@ -40,8 +44,10 @@ def guard(ws, controller_factory, executor):
     `executor`: the app's bounded listener pool, where a refused click's answer goes after the ack."""
     from slack_bolt import BoltResponse
 
-    def middleware(body, ack, respond, next):  # noqa: A002 - Bolt injects `next` by name
-        kind, user, channel, what, mutating = request_facts(body)
+    def middleware(body, ack, respond, context, next):  # noqa: A002 - Bolt injects `next` by name
+        if "command" in body:  # parsed once, here: the listener reads it from the request's context
+            context[COMMAND] = parse(body.get("text", ""))
+        kind, user, channel, what, mutating = request_facts(body, context.get(COMMAND))
         # an event (App Home opened) is read-only and comes from the app's own DM, no channel of the allow-list
         why = None if kind == "event" and not mutating else refusal(ws.config.slack, user=user, channel=channel,
                                                                     mutating=mutating)

@@ -33,6 +33,28 @@ def test_status_is_block_kit_within_limits(slack):
     assert "40.0 % (40 / 100)" in text and "Auto-start training when extraction finishes" in text
 
 
+def test_a_slash_command_is_parsed_once_by_the_middleware(slack, monkeypatch):
+    """The listener answers from the middleware's parse (Bolt's request context), never parsing the text again."""
+    import handlers.auth
+    import handlers.slash
+
+    seen = []
+    real = handlers.auth.parse
+
+    def counted(text):
+        seen.append(text)
+        return real(text)
+
+    def refused(text):
+        raise AssertionError("the listener parsed the command again")
+
+    monkeypatch.setattr(handlers.auth, "parse", counted)
+    monkeypatch.setattr(handlers.slash, "parse", refused)
+    r = command(slack, "eta")
+    assert r.status_code == 200 and "extract" in r.json()["text"], r.text
+    assert seen == ["eta"]
+
+
 @pytest.mark.parametrize("how", ["wrong-secret", "stale", "unsigned"])
 def test_bad_signatures_are_401(slack, how):
     body = urlencode({"command": "/eagle3", "text": "status", "user_id": "UOK", "channel_id": "C1"})
