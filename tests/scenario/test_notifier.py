@@ -761,5 +761,6 @@ def test_py_spy_held_for_30_s_never_holds_the_tick(env, monkeypatch, tmp_path):
         stage.wait()
     said = evidence()
     assert said and "stacks: py-spy did not answer within 10 s" in said[0]["initial_comment"], said
-    # ~20 ticks while py-spy was held, none of them waiting for it (a tick is milliseconds; the hold is 10 s)
-    assert len(took) >= 15 and max(took) < 2.0, took
+    # ~20 ticks while py-spy was held (at least 8 on a loaded machine), none of them waiting for it: a tick is
+    # milliseconds, the hold 10 s (a tick that waited for the gathering would take all of it, and be the only one)
+    assert len(took) >= 8 and max(took) < 3.0, took
