@@ -132,8 +132,8 @@ def test_a_whole_demo_run_told_in_a_channel(tmp_path):
     said = evidence[0]["initial_comment"] if len(evidence) == 1 else evidence
     assert re.search(r"extract: pid \d+ in ", said), said
     # the wedged server holds the client's requests: the client's own account and the server's /v1/loads, in a line
-    assert re.search(r"client: \d+ requests? in flight, the oldest \d+s \(sample \d+, [\d,]+ tokens\); the server runs "
-                     r"[1-9]\d*, queues 0: the server holds them; the last sample written \d+s ago", said), said
+    assert re.search(r"client: \d+ requests? in flight, the oldest [\dhms]+ \(sample \d+, [\d,]+ tokens\); the server "
+                     r"runs [1-9]\d*, queues 0: the server holds them; the last sample written [\dhms]+ ago", said), said
     kept = sorted((tmp_path / "ws" / ".eagle3" / "forensics").rglob("evidence.txt"))
     assert kept and "=== the extraction client's own state ===" in kept[0].read_text()
     # the client is blocked in a read: its parse worker's request threads wait in a socket read of the server's
