@@ -126,9 +126,6 @@ class _Family:
         return self.prefix + ":".join(str(p) for p in parts)
 
 
-_family = _Family
-
-
 class KV:
     """Every key of the kv table, spelled once (a key built in two places drifts): callers name a family, never
     write a key.
@@ -149,20 +146,20 @@ class KV:
     CONFIG_CHANGED = "config_changed"  # the config file changed since serve started {t, sha, error, file}
 
     # families: KV.<name>(*parts) is the prefix and the parts joined by ":" (what each entry is about)
-    verdict = _family("verdict:")  # (stage) the stage's StoredVerdict
-    snooze = _family("snooze:")  # (stage) alerts snoozed until t
-    acked = _family("acked:")  # (stage) who took its alert, and when {by, t}: no escalation for that alert
-    condition = _family("condition:")  # (name, proc_id) a condition alert was raised once
-    alerted = _family("alerted:")  # (stage, cause) an alert's last time
-    escalated = _family("escalated:")  # (stage, alerted_at) the alert's escalation was posted
-    milestones = _family("milestones:")  # (run) the progress milestones posted
-    open_alert = _family("open-alert:")  # (stage) the alert to resolve in place
-    ts = _family("ts:")  # (update_key) the chat service's ts of the message with this update key
-    previewed = _family("previewed:")  # (run) the data's template preview was posted in the run's thread
-    step_told = _family("step-told:")  # (run) the last handoff step told in the run's thread (one reply a step)
-    final_status = _family("final-status:")  # (run) its status post was given its final render
-    chain = _family("chain:")  # (run, "extract") regeneration's extraction started; (run, "refused", proc id) refused
-    restarting = _family("restarting:")  # (stage) a restart by hand under way {of: proc id, t}: its stop is no ending
+    verdict = _Family("verdict:")  # (stage) the stage's StoredVerdict
+    snooze = _Family("snooze:")  # (stage) alerts snoozed until t
+    acked = _Family("acked:")  # (stage) who took its alert, and when {by, t}: no escalation for that alert
+    condition = _Family("condition:")  # (name, proc_id) a condition alert was raised once
+    alerted = _Family("alerted:")  # (stage, cause) an alert's last time
+    escalated = _Family("escalated:")  # (stage, alerted_at) the alert's escalation was posted
+    milestones = _Family("milestones:")  # (run) the progress milestones posted
+    open_alert = _Family("open-alert:")  # (stage) the alert to resolve in place
+    ts = _Family("ts:")  # (update_key) the chat service's ts of the message with this update key
+    previewed = _Family("previewed:")  # (run) the data's template preview was posted in the run's thread
+    step_told = _Family("step-told:")  # (run) the last handoff step told in the run's thread (one reply a step)
+    final_status = _Family("final-status:")  # (run) its status post was given its final render
+    chain = _Family("chain:")  # (run, "extract") regeneration's extraction started; (run, "refused", proc id) refused
+    restarting = _Family("restarting:")  # (stage) a restart by hand under way {of: proc id, t}: its stop is no ending
 
 
 KV.FAMILIES = tuple(v.prefix for v in vars(KV).values() if isinstance(v, _Family))

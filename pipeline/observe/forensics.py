@@ -35,6 +35,7 @@ from pipeline.config import Workspace
 from pipeline.observe.probes.client_state import ask as ask_client
 from pipeline.observe.probes.process import group_processes
 from pipeline.stages.logfile import tail_lines
+from pipeline.states import StageProc
 from pipeline.store import Store
 from pipeline.train import flight
 from pipeline.verdict import fmt_bytes, fmt_s
@@ -134,16 +135,10 @@ def innermost(dump: str) -> str | None:
     return ", ".join(said) or None
 
 
-def _processes(store: Store, stage: str) -> list[psutil.Process]:
-    proc = store.latest_proc(stage)
+def _processes(proc: StageProc | None) -> list[psutil.Process]:
     if proc is None or proc.pid is None or proc.has_ended:
         return []
     return group_processes(proc.pgid if proc.pgid is not None else proc.pid, proc.create_time or 0)[:MAX_PROCESSES]
-
-
-def _run(store: Store, stage: str) -> str | None:
-    proc = store.latest_proc(stage)
-    return proc.run_id if proc else None
 
 
 def _collectives(fr_dir: Path, knocked: list[int], since: float, started: float, budget_s: float) -> list[str]:
@@ -329,7 +324,8 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
     """Everything this module gathers about `stage`, now, within `budget_s` (`native`: see `dump_stack`)."""
     started = time.monotonic()
     ev = Evidence(stage=stage, t=clock())
-    procs = _processes(store, stage)
+    proc = store.latest_proc(stage)
+    procs = _processes(proc)
     binary = pyspy_binary()
     if not procs:
         ev.summary.append(f"{stage}: no live process to read (not started, or ended)")
@@ -342,7 +338,7 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
     if listing:
         ev.sections.append((f"{len(procs)} process(es) of {stage}", "\n".join(listing)))
     pythons = [p for p in procs if _python(p)]
-    knocked, fr_dir, knocked_at = None, ws.flight_dir(_run(store, stage)), time.time()
+    knocked, fr_dir, knocked_at = None, ws.flight_dir(proc.run_id if proc else None), time.time()
     if stage == "train" and procs:  # knocked first: the ranks dump while py-spy reads their stacks
         knocked = flight.request_dumps(fr_dir)
     left = max(1.0, budget_s - (time.monotonic() - started))

@@ -24,6 +24,7 @@ PREFIX_ENV = "TORCH_FR_DUMP_TEMP_FILE"  # PyTorch's own name for where a flight-
 BUFFER_ENTRIES = "2000"  # collectives kept per process (about 300 bytes each)
 REQUEST_SUFFIX = ".request"
 DUMP_SUFFIX = ".json"
+NO_DUMP = "no dump yet (the rank's Python did not run: it holds the GIL, or is stopped)"
 MOVING_S = 10.0  # a collective entered this recently: the ranks are at work, not stuck in it
 
 
@@ -119,11 +120,11 @@ def read_dumps(directory: Path, ranks: list[int], *, since: float) -> dict[int, 
         path = directory / f"rank_{rank}{DUMP_SUFFIX}"
         try:
             if path.stat().st_mtime < since:
-                out[rank] = "no dump yet (the rank's Python did not run: it holds the GIL, or is stopped)"
+                out[rank] = NO_DUMP
                 continue
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            out[rank] = "no dump yet (the rank's Python did not run: it holds the GIL, or is stopped)"
+            out[rank] = NO_DUMP
             continue
         except (OSError, ValueError) as exc:
             out[rank] = f"unreadable dump ({type(exc).__name__}: {exc})"
