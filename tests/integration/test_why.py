@@ -86,6 +86,11 @@ def test_a_stuck_collective_shows_the_waiting_ranks_all_reduce_and_the_sleeping_
     # the flight recorder each rank dumped on the knock: where each one is, counted by PyTorch
     assert re.search(r"collectives: rank 0 waits in all_reduce #4 for [\d.]+s; rank 1 is at #3 → rank 1 is behind",
                      summary), summary
-    assert "rank 1, process group 0: last enqueued #3, last completed #3" in out.stdout
+    # PyTorch's own count in the dump: rank 1 never enqueued #4, rank 0's #4 is in flight. (A loaded machine
+    # may dump rank 1 before gloo's worker thread has retired its #3: its "last completed" is not asserted.)
+    section = out.stdout.split("=== the flight recorder (PyTorch)", 1)[-1].split("===", 2)[1]
+    assert re.search(r"rank 1, process group 0: last enqueued #3, last completed #\d", section), section
+    assert re.search(r"rank 0, process group 0: last enqueued #4, last completed #\d", section), section
+    assert re.search(r"#4 gloo:all_reduce \w+ sizes \[\[4\]\] in flight", section), section
     # --native: the C/C++ frames under the Python ones (the rank waiting in gloo's wait, in libtorch)
     assert re.search(r"\(lib\w*torch\w*\.so", out.stdout), out.stdout[-3000:]
