@@ -147,13 +147,12 @@ def cmd_start(args) -> int:
          example="eagle3 autostart on",
          args=(arg("state", choices=("on", "off")),))
 def cmd_autostart(args) -> int:
-    from handlers.render.views import autostart_refused, autostart_text
-    on = args.state == "on"
+    from handlers.render.views import autostart_text
     with _controller(args) as ctl:
-        result = ctl.autostart(on, by=_who())
-    if autostart_refused(on, result):
-        raise UserError(autostart_text(on, result))
-    print(autostart_text(on, result))
+        result = ctl.autostart(args.state == "on", by=_who())
+    if result.refused:
+        raise UserError(autostart_text(result))
+    print(autostart_text(result))
     return 0
 
 

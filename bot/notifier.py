@@ -37,7 +37,7 @@ from pipeline.manifest import mass_line
 from pipeline.observe import forensics
 from pipeline.observe.charts import alt_text, render_run
 from pipeline.prepare import read_meta
-from pipeline.states import TRAINING, TRAINING_DONE, TRAINING_FAILED
+from pipeline.states import TRAINING, TRAINING_DONE, TRAINING_FAILED, StateVersion
 from pipeline.status import RunStatus
 from pipeline.store import KV, Store
 from pipeline.verdict import Verdict
@@ -59,7 +59,8 @@ def status_signature(store: Store) -> str:
     """What the status post shows that is worth an edit (at most one per `min_edit_s`): each stage's verdict,
     process state and progress to a tenth of a percent, the run and the handoff step (ETA drift is the periodic
     refresh's; "last progress … ago" is a Slack date token that stays current by itself)."""
-    parts = [store.current_run(), (handoff_state(store) or {}).get("step", "off")]
+    handoff = handoff_state(store)
+    parts: list = [store.current_run(), str(handoff.step if handoff and handoff.step else "off")]
     for stage in STAGE_NAMES:
         v, p = store.verdict(stage), store.latest_proc(stage)
         pct = v.progress_pct if v is not None and v.progress_pct is not None else None
@@ -207,8 +208,8 @@ class Notifier:
     def _handoff_ends(store: Store, stage: str | None, run: str | None) -> bool:
         """Training whose end auto-start follows (it posts training-done or -failed): its verdict is no second
         ending in the channel."""
-        state = handoff_state(store) or {}
-        return stage == "train" and state.get("run") == run and state.get("step") in (
+        state = handoff_state(store)
+        return stage == "train" and state is not None and state.run == run and state.step in (
             TRAINING, TRAINING_DONE, TRAINING_FAILED)
 
     @staticmethod
@@ -368,7 +369,7 @@ class Notifier:
         store.enqueue(channel=self.to, kind="status", text=text, blocks=blocks, update_key=f"status:{run}")
         store.put(self.k + KV.final_status(run), closed_at)
 
-    def post_status(self, store: Store, status: RunStatus, version: str) -> None:
+    def post_status(self, store: Store, status: RunStatus, version: StateVersion) -> None:
         """Enqueue the run's status message; delivery updates it in place after the first post."""
         if not self.channel:
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from handlers.render.blocks import text_blocks
 from handlers.verbs import LABELS, MUTATING, READ_ONLY_ACTIONS, parse
 
@@ -22,6 +24,25 @@ def refusal(slack_cfg, *, user: str, channel: str | None, mutating: bool) -> str
 
 
 COMMAND = "eagle3_command"  # the request context's key for the parsed slash command (verb, args)
+TRAIL = "eagle3_audit"  # the request context's key for its audit trail (`Trail`)
+
+
+@dataclass(frozen=True)
+class Trail:
+    """The audit of one Slack request, bound by the middleware: who asked, where, for what. Bolt runs a listener
+    after the middleware chain has returned (in its listener pool, after the ack), so only the listener knows how
+    the request ended: it hands the outcome back here, and this writes the record — the listener never says
+    who or where."""
+
+    user: str
+    channel: str | None
+    what: str
+
+    def record(self, ctl, outcome: str, detail: str = "", *, what: str | None = None) -> None:
+        """Audit this request's `outcome` (done, refused, stale, accepted, confirmed); `what`: a finer name for
+        the action than the request's own (a confirmed stop's stage)."""
+        ctl.audit(user=f"slack:{self.user}", channel=self.channel, action=what or self.what, outcome=outcome,
+                  detail=detail)
 
 
 def request_facts(body: dict, command: tuple[str, list[str]] | None = None) -> tuple[str, str, str | None, str, bool]:
@@ -48,6 +69,7 @@ def guard(ws, controller_factory, executor):
         if "command" in body:  # parsed once, here: the listener reads it from the request's context
             context[COMMAND] = parse(body.get("text", ""))
         kind, user, channel, what, mutating = request_facts(body, context.get(COMMAND))
+        context[TRAIL] = trail = Trail(user=user, channel=channel, what=what)
         # an event (App Home opened) is read-only and comes from the app's own DM, no channel of the allow-list
         why = None if kind == "event" and not mutating else refusal(ws.config.slack, user=user, channel=channel,
                                                                     mutating=mutating)
@@ -55,7 +77,7 @@ def guard(ws, controller_factory, executor):
             return next()
         ctl = controller_factory()
         try:
-            ctl.audit(user=f"slack:{user}", channel=channel, action=what, outcome="refused", detail=why)
+            trail.record(ctl, "refused", why)
         finally:
             ctl.close()
         if kind == "command":

@@ -8,6 +8,7 @@ import json
 import socket
 import time
 
+from handlers.auth import TRAIL
 from handlers.render.alerts import (
     ACTION_ACK,
     ACTION_LOGS,
@@ -30,35 +31,35 @@ from handlers.render.views import SLASH, autostart_text, slack_time, stop_text
 from handlers.slash import answer, train_later
 from handlers.verbs import LABELS, STATUS_ACTIONS
 from pipeline.errors import UserError
-from pipeline.states import CANCELLABLE, TRAINING, TRAINING_DONE
+from pipeline.states import TRAINING, TRAINING_DONE, StateVersion
 
 
 def register(app, *, controller_factory, ws) -> None:
     """Attach the button listeners."""
 
-    def handle(ack, body, client, respond):
+    def handle(ack, body, client, respond, context):
         ack()
         action = (body.get("actions") or [{}])[0]
         action_id = action.get("action_id", "")
         user = (body.get("user") or {}).get("id", "?")
         channel = (body.get("channel") or {}).get("id")
+        trail = context[TRAIL]  # the middleware's: who clicked, where, which button
         ctl = controller_factory()
         later = None  # slow work (a stop's grace period, verifying sample files): run after the message is updated
         try:
             moot = meaningless(ctl, action_id, action)
             if moot:  # drawn for a state that has passed: say so, with the state as it is now
-                ctl.audit(user=f"slack:{user}", channel=channel, action=LABELS.get(action_id, action_id),
-                                outcome="stale", detail=moot)
+                trail.record(ctl, "stale", moot)
                 text, blocks = status_blocks(ctl.status(sample_if_unmonitored=False), version=ctl.state_version(),
                                              note=f"{LABELS.get(action_id, action_id)}: {moot}")
                 return respond(text=f"{moot}. {text}", blocks=blocks, response_type="ephemeral",
                                replace_original=False)
             if action_id == ACTION_TRAIN:
-                ctl.audit(user=f"slack:{user}", channel=channel, action="train", outcome="accepted")
+                trail.record(ctl, "accepted", what="train")
                 later = lambda: train_later(controller_factory, user, respond)  # noqa: E731
                 result = "verifying sample files, then starting training…"
             elif action_id == ACTION_CONFIRM:
-                ctl.audit(user=f"slack:{user}", channel=channel, action=_describe(action), outcome="confirmed")
+                trail.record(ctl, "confirmed", what=_describe(action))
                 later = lambda: _stop_later(controller_factory, action, user, respond)  # noqa: E731
                 result = f"{_describe(action)} requested; I'll report when it is done"
             else:
@@ -66,8 +67,7 @@ def register(app, *, controller_factory, ws) -> None:
                     result = _act(ctl, action_id, action, user)
                 except UserError as exc:  # e.g. a snooze for a stage that does not exist
                     result = str(exc)
-            ctl.audit(user=f"slack:{user}", channel=channel, action=LABELS[action_id], outcome="done",
-                            detail=result)
+            trail.record(ctl, "done", result)
             text = choice_note(user, LABELS[action_id], time.time(), result)
             if action_id == ACTION_ACK:  # the alert stays the alert, with who is on it
                 blocks = acknowledged_blocks((body.get("message") or {}).get("blocks"), user, time.time())
@@ -124,17 +124,18 @@ def meaningless(ctl, action_id: str, action: dict) -> str | None:
     can be cancelled, however many steps the handoff took since."""
     if action_id in (ACTION_SNOOZE, ACTION_LATER, ACTION_KEEP, ACTION_ACK):  # about a stage, whatever its run
         return None
-    drawn = _version(action) or ""
-    run_then = drawn.rsplit(":", 1)[0] if ":" in drawn else None
-    run_now, step = ctl.state_version().rsplit(":", 1)
-    if run_then != run_now:
-        now = f"the open run is {run_now}" if run_now not in ("None", "") else "no run is open now"
-        return f"this message belongs to run {run_then or '(unknown)'}; {now}"
-    if action_id == ACTION_CANCEL and step not in CANCELLABLE:
+    drawn = StateVersion.parse(_version(action))
+    now = ctl.state_version()
+    if drawn is None or drawn.run != now.run:
+        then = (f"belongs to run {drawn.run}" if drawn.run else "was drawn while no run was open") if drawn \
+            else "carries no run"
+        return f"this message {then}; " + (f"the open run is {now.run}" if now.run else "no run is open now")
+    step = now.step or "off"
+    if action_id == ACTION_CANCEL and not now.cancellable:
         return f"auto-start can no longer be cancelled (it is {step})"
-    if action_id == ACTION_AUTOSTART and step in CANCELLABLE:
+    if action_id == ACTION_AUTOSTART and now.cancellable:
         return f"auto-start is already armed (it is {step})"
-    if action_id == ACTION_AUTOSTART and step in (TRAINING, TRAINING_DONE):
+    if action_id == ACTION_AUTOSTART and now.step in (TRAINING, TRAINING_DONE):
         return f"training already ran in this run (auto-start is {step})"
     if action_id == ACTION_TRAIN:
         train = ctl.status(sample_if_unmonitored=False).stages.get("train")
@@ -196,5 +197,4 @@ def _act(ctl, action_id: str, action: dict, user: str) -> str:
     if action_id == ACTION_LATER:
         r = ctl.remind("eta" if ctl.running_eta() else "1h", by=f"slack:{user}")
         return f"reminder at {slack_time(r['due_at'])}"
-    on = action_id == ACTION_AUTOSTART
-    return autostart_text(on, ctl.autostart(on, by=f"slack:{user}"), cmd=SLASH)
+    return autostart_text(ctl.autostart(action_id == ACTION_AUTOSTART, by=f"slack:{user}"), cmd=SLASH)

@@ -9,13 +9,14 @@ from datetime import UTC, datetime
 from handlers.render.alerts import event_message
 from handlers.render.blocks import status_blocks
 from handlers.render.views import slack_time
+from pipeline.states import StateVersion
 from pipeline.status import RunStatus
 
 log = logging.getLogger("eagle3.home")
 RECENT = 5
 
 
-def home_view(status: RunStatus, *, version: str, events: list[dict], chart: dict | None = None) -> dict:
+def home_view(status: RunStatus, *, version: StateVersion, events: list[dict], chart: dict | None = None) -> dict:
     """The Home tab: the status post's blocks (without its buttons: they act on a channel message),
     the latest uploaded chart (`{"file_id", "stage", "t"}`, None: no chart yet) and the last events
     worth a message, newest first."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from handlers.auth import COMMAND
+from handlers.auth import COMMAND, TRAIL
 from handlers.render.blocks import confirm_blocks, status_blocks, text_blocks, train_blocks
 from handlers.render.redact import redact
 from handlers.render.views import (
@@ -34,7 +34,7 @@ def register(app, *, controller_factory, ws) -> None:
     @app.command("/eagle3")
     def eagle3(ack, command, respond, context):
         verb, args = context.get(COMMAND) or parse(command.get("text", ""))  # the middleware's parse
-        user, channel = command.get("user_id", "?"), command.get("channel_id")
+        user = command.get("user_id", "?")
         ctl = controller_factory()  # who may ask this was checked by the app's middleware (handlers/auth.guard)
         try:
             if verb == "train" and not ctl.training_running() and ctl.extraction_looks_complete():
@@ -46,7 +46,7 @@ def register(app, *, controller_factory, ws) -> None:
             except UserError as exc:
                 text, blocks = str(exc), text_blocks(str(exc))
             if verb in MUTATING:
-                ctl.audit(user=f"slack:{user}", channel=channel, action=verb, outcome="done", detail=text[:200])
+                context[TRAIL].record(ctl, "done", text[:200])
             ack(text=text, blocks=blocks)
         finally:
             ctl.close()
@@ -147,7 +147,7 @@ def _train(a: Ask) -> tuple[str, list]:
 
 def _autostart(a: Ask) -> tuple[str, list]:
     on = a.verb.endswith("on")
-    text = autostart_text(on, a.ctl.autostart(on, by=a.by), cmd=SLASH)
+    text = autostart_text(a.ctl.autostart(on, by=a.by), cmd=SLASH)
     return text, text_blocks(text)
 
 

@@ -39,7 +39,7 @@ class Automation:
         cfg = self.ws.for_run(run).stage("regenerate")
         state = handoff_state(self.store)
         out = self.ws.for_run(run).out_dir("regenerate")
-        if not cfg.argv or out is None or run is None or not state or state.get("step") not in (ARMED, WAITING):
+        if not cfg.argv or out is None or run is None or not state or state.step not in (ARMED, WAITING):
             return
         regen = self.store.latest_proc("regenerate", run=run)
         if not regen or regen.state != StageState.EXITED or regen.exit_code != 0:

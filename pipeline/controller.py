@@ -12,12 +12,12 @@ from typing import Any
 from pipeline.config import REQUIRED_STAGES, STAGE_NAMES, Workspace, find_config, load_workspace
 from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
-from pipeline.handoff.machine import Handoff, handoff_of, handoff_state
+from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.observe import forensics
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
-from pipeline.states import CANCELLABLE, CANCELLED, MAYBE_ALIVE_STATES, StageProc, StageState
-from pipeline.status import READING_KEYS, RunStatus, StageStatus
+from pipeline.states import MAYBE_ALIVE_STATES, HandoffState, StageProc, StageState, StateVersion
+from pipeline.status import READING_KEYS, AutostartResult, RunStatus, StageStatus
 from pipeline.store import KV, Store
 from pipeline.train.outdir import set_aside
 from pipeline.verdict import StoredVerdict, Verdict
@@ -122,7 +122,7 @@ class Controller:
                                  f"extraction ({'; '.join(earlier.missing)}); `eagle3 start extract` opens a new run"]
             if not c.complete and not force:
                 self.store.audit(user=by, channel=None, action="start train", outcome="refused", detail="; ".join(c.missing))
-                c.autostart_armed = (handoff_state(self.store) or {}).get("step") in CANCELLABLE
+                c.autostart_armed = (state := handoff_state(self.store)) is not None and state.cancellable
                 raise TrainGuardError(c)
             if not c.complete:
                 self.store.audit(user=by, channel=None, action="start train --force", outcome="allowed",
@@ -182,13 +182,13 @@ class Controller:
         if reading.value:
             self.store.put(KV.GPU_BASELINE, {str(g["index"]): g["mem_used_mb"] for g in reading.value})
 
-    def autostart(self, on: bool, *, by: str = "cli") -> dict:
-        """Arm or cancel the handoff: {changed, state, monitor_running}."""
+    def autostart(self, on: bool, *, by: str = "cli") -> AutostartResult:
+        """Arm or cancel the handoff."""
         h = Handoff(ws=self.ws, store=self.store, supervisor=self.supervisor)
         changed, state = h.arm(by=by) if on else h.cancel(by=by)
         self.store.audit(user=by, channel=None, action=f"autostart {'on' if on else 'off'}",
-                         outcome="done" if changed else "no-op", detail=(state or {}).get("step", "off"))
-        return {"changed": changed, "state": state, "monitor_running": self.monitor_running()}
+                         outcome="done" if changed else "no-op", detail=str(state.step if state and state.step else "off"))
+        return AutostartResult(on=on, changed=changed, state=state, monitor_running=self.monitor_running())
 
     def snooze(self, stage: str, *, seconds: float = 3600.0, by: str = "cli") -> float:
         """Silence alerts about `stage` until now + seconds; returns the time they resume."""
@@ -368,16 +368,17 @@ class Controller:
                                   *(KV.verdict(s) for s in STAGE_NAMES)])
         run = self.store.current_run()
         monitored = self._beating(kv.get(KV.MONITOR))
-        handoff = handoff_of(kv.get(KV.HANDOFF), run)
+        stored = HandoffState.from_json(kv.get(KV.HANDOFF))
+        handoff = stored.of_run(run) if stored else None
         transport = kv.get(KV.TRANSPORT)
         return RunStatus(
             run=run, monitor="running" if monitored else "not running",
-            autostart="off" if not handoff or handoff["step"] == CANCELLED else handoff["step"],
-            autostart_reason=(handoff or {}).get("reason"), outbox=self.store.outbox_summary(),
+            autostart=handoff.shown if handoff else "off", autostart_reason=handoff.reason if handoff else None,
+            handoff=handoff.step if handoff else None, outbox=self.store.outbox_summary(),
             transport=transport if transport and monitored and transport.get("state") != "stopped" else None,
             slack_auth=kv.get(KV.SLACK_AUTH) if monitored else None,
             config_changed=kv.get(KV.CONFIG_CHANGED) if monitored else None,
-            version=f"{run}:{(handoff or {}).get('step', 'off')}",
+            version=StateVersion(run=run, step=handoff.step if handoff else None),
             stages={stage: self._stage_status(stage, now, procs.get(stage),
                                               StoredVerdict.from_json(kv.get(KV.verdict(stage))))
                     for stage in STAGE_NAMES if self._shown(stage, procs)})
@@ -429,10 +430,10 @@ class Controller:
         readings: dict[str, Any] = {k: obs.get(k) for k in READING_KEYS}
         return replace(st, observed=True, diagnosis=v, gaps=obs.get("unknown"), **readings)
 
-    def state_version(self) -> str:
+    def state_version(self) -> StateVersion:
         """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""
-        handoff = handoff_state(self.store) or {}
-        return f"{self.store.current_run()}:{handoff.get('step', 'off')}"
+        handoff = handoff_state(self.store)
+        return StateVersion(run=self.store.current_run(), step=handoff.step if handoff else None)
 
     def why(self, stage: str, *, native: bool = False):
         """"Why is it stuck?": the stage's processes' stacks, the server's own view and the log's end, gathered now

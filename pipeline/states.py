@@ -222,3 +222,85 @@ HANDOFF_EDGES = {
     *((s, CANCELLED) for s in CANCELLABLE),  # cancelled by an operator before training exists
     *((s, FAILED) for s in FOLLOWED),  # a step could not be taken (its reason says why)
 }
+
+
+@dataclass(frozen=True)
+class HandoffState:
+    """The auto-start handoff of one run, as the store keeps it (kv `handoff`, JSON): every field declared once.
+
+    Written by pipeline/handoff/machine.py only (each step through its edge, `replace` for the rest); everyone
+    else reads the attributes. `run` None: armed while no run was open, for the next run, which it joins."""
+
+    step: HandoffStep | None = None  # None only inside `arm`'s transaction, before its first step
+    run: str | None = None
+    reason: str | None = None
+    step_at: float | None = None  # when the step was entered
+    armed_by: str | None = None
+    armed_at: float | None = None
+    for_next_run: bool = False
+    train_floor: int | None = None  # the highest train process id before the launch: above it is this launch
+    gpu_wait_since: float | None = None
+    server_stopped_at: float | None = None
+    train_proc_id: int | None = None  # the training the handoff follows to its end
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> HandoffState | None:
+        """The stored record (None: no handoff). A key this version does not know is left out, a missing one is
+        its default: a store written by another version still reads."""
+        if not data:
+            return None
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("step") is not None:
+            values["step"] = HandoffStep(values["step"])
+        return cls(**values)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["step"] = None if self.step is None else str(self.step)
+        return out
+
+    def of_run(self, run: str | None) -> HandoffState | None:
+        """This handoff as `run` sees it: None when it was made for another run (history once a newer run is
+        open). With no run open, the last one still shows how it ended; one armed for the next run joins it."""
+        return None if run is not None and self.run not in (None, run) else self
+
+    @property
+    def cancellable(self) -> bool:
+        return self.step is not None and self.step.cancellable
+
+    @property
+    def followed(self) -> bool:
+        return self.step is not None and self.step.followed
+
+    @property
+    def shown(self) -> str:
+        """What status shows for auto-start: `off` once cancelled, else the step."""
+        return "off" if self.step is None or self.step is HandoffStep.CANCELLED else str(self.step)
+
+
+@dataclass(frozen=True)
+class StateVersion:
+    """What a button was drawn against: the open run and the handoff's step. Carried in the button's value as
+    `run:step` (a stale button changes nothing); `step` None is auto-start off."""
+
+    run: str | None
+    step: HandoffStep | None
+
+    def __str__(self) -> str:
+        return f"{self.run}:{self.step or 'off'}"
+
+    @classmethod
+    def parse(cls, text: str | None) -> StateVersion | None:
+        """A button's version, or None for one without (or with a value no version of eagle3 wrote)."""
+        if not text or ":" not in text:
+            return None
+        run, step = text.rsplit(":", 1)
+        try:
+            return cls(run=None if run in ("None", "") else run, step=None if step == "off" else HandoffStep(step))
+        except ValueError:
+            return None
+
+    @property
+    def cancellable(self) -> bool:
+        return self.step is not None and self.step.cancellable

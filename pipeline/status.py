@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pipeline.states import MAYBE_ALIVE_STATES, StageState
+from pipeline.states import MAYBE_ALIVE_STATES, HandoffState, HandoffStep, StageState, StateVersion
 from pipeline.verdict import StoredVerdict, Verdict
 
 PROCESS_KEYS = ("state", "pid", "exit_code", "signal", "started_at", "ended_at", "uptime_s", "log", "reason", "run")
@@ -125,11 +125,17 @@ class RunStatus:
     monitor: str = "not running"  # or "running"
     autostart: str = "off"  # "off" or the handoff's step
     autostart_reason: str | None = None
+    handoff: HandoffStep | None = None  # the handoff's step, typed (`autostart` is how the JSON shows it)
     outbox: dict = field(default_factory=dict)  # pending, failed, last_error
     transport: dict | None = None  # how serve receives Slack's commands, while it runs
     slack_auth: dict | None = None
     config_changed: dict | None = None  # the config file no longer reads as serve started with it {t, error, file}
-    version: str = ""  # what a button rendered from this status is against ("run:step"; not in the JSON)
+    version: StateVersion | None = None  # what a button rendered from this status is against (not in the JSON)
+
+    @property
+    def autostart_cancellable(self) -> bool:
+        """A handoff before its training exists: a Cancel button means something."""
+        return self.handoff is not None and self.handoff.cancellable
 
     def started(self) -> dict[str, StageStatus]:
         """The stages that were ever started, in pipeline order."""
@@ -166,3 +172,19 @@ class RunStatus:
 def _plain(value):
     """JSON's value: tuples as lists (enums are str already)."""
     return list(value) if isinstance(value, tuple) else value
+
+
+@dataclass(frozen=True)
+class AutostartResult:
+    """What `autostart on|off` did: whether the handoff changed, the handoff now, and whether a monitor runs to
+    advance it."""
+
+    on: bool
+    changed: bool
+    state: HandoffState | None
+    monitor_running: bool
+
+    @property
+    def refused(self) -> bool:
+        """`autostart off` could not do what was asked: training already runs (the CLI exits 2)."""
+        return not self.on and not self.changed and self.state is not None and self.state.step is HandoffStep.TRAINING

@@ -21,7 +21,7 @@ from typing import Any
 from sqlite_utils import Database, Migrations
 
 from pipeline.errors import StoreError
-from pipeline.states import StageProc
+from pipeline.states import HandoffState, StageProc
 from pipeline.verdict import StoredVerdict
 
 BUSY_TIMEOUT_S = 10.0
@@ -252,6 +252,15 @@ class Store:
     def put(self, key: str, value: Any) -> None:
         """Store a JSON value in the kv table."""
         self.db.table("kv").upsert({"key": key, "value": json.dumps(value)}, pk="key")
+
+    # --- the handoff ----------------------------------------------------------
+    def handoff(self) -> HandoffState | None:
+        """The stored auto-start handoff, whatever its run (pipeline/handoff/machine.handoff_state is the open
+        run's view of it)."""
+        return HandoffState.from_json(self.get(KV.HANDOFF))
+
+    def put_handoff(self, state: HandoffState) -> None:
+        self.put(KV.HANDOFF, state.to_json())
 
     # --- verdicts -----------------------------------------------------------
     def verdict(self, stage: str) -> StoredVerdict | None:

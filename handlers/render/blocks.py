@@ -18,7 +18,7 @@ from slack_sdk.models.blocks import (
 
 from handlers.render.views import ago, plain_times, run_label, slack_time, tau_text
 from pipeline.manifest import mass_line
-from pipeline.states import CANCELLABLE, TRAINING, TRAINING_DONE, TRAINING_FAILED
+from pipeline.states import TRAINING, TRAINING_DONE, TRAINING_FAILED, StateVersion
 from pipeline.status import RunStatus, StageStatus
 from pipeline.train.outdir import accepted_length
 from pipeline.verdict import fmt_bytes
@@ -156,7 +156,7 @@ def gpu_summary(gpus: list[dict]) -> str:
     return " · ".join(parts)
 
 
-def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
+def status_blocks(status: RunStatus, *, version: StateVersion | None, now: float | None = None,
                   note: str | None = None, host: str | None = None) -> tuple[str, list]:
     """(fallback text, blocks) for `/eagle3 status`; `note`: a context line above the buttons
     (who chose what, after a click on the status post); `host`: the pipeline's host (default: this one, where
@@ -177,10 +177,10 @@ def status_blocks(status: RunStatus, *, version: str, now: float | None = None,
         + f" · as of {slack_time(now)}"))]))
     if note:
         blocks.append(ContextBlock(elements=[MarkdownTextObject(text=_clip(note))]))
-    value = json.dumps({"v": version})
-    if auto in CANCELLABLE:
+    value = json.dumps({"v": str(version)})
+    if status.autostart_cancellable:
         buttons = [ButtonElement(text="Cancel auto-start", action_id=ACTION_CANCEL, value=value, style="danger")]
-    elif (auto in (TRAINING, TRAINING_DONE, TRAINING_FAILED) or status.run is None
+    elif (status.handoff in (TRAINING, TRAINING_DONE, TRAINING_FAILED) or status.run is None
           or (status.stages.get("train") and status.stages["train"].running)):
         buttons = []  # no run to hand off in, or training already ran or runs in it
     else:
@@ -257,10 +257,10 @@ CONSEQUENCES = {"stop": "{stage} is stopped: SIGTERM to its process group, SIGKI
                 "restart": "{stage} is stopped (SIGTERM, then SIGKILL after the grace period) and started again."}
 
 
-def confirm_blocks(verb: str, stage: str, version: str, *, running: bool = True) -> list:
+def confirm_blocks(verb: str, stage: str, version: StateVersion, *, running: bool = True) -> list:
     """Confirm / keep buttons for stop and restart; the confirm button asks Slack's dialog first. A stage that is
     not running is offered no "Keep it running"."""
-    value = json.dumps({"v": version, "verb": verb, "stage": stage})
+    value = json.dumps({"v": str(version), "verb": verb, "stage": stage})
     consequence = CONSEQUENCES[verb].format(stage=stage) if running else f"{stage} is started again."
     return [ActionsBlock(elements=[
         ButtonElement(text=f"{verb.capitalize()} {stage}", action_id=ACTION_CONFIRM, value=value, style="danger",
@@ -288,10 +288,10 @@ def blocks_text(blocks: list, fallback: str = "") -> str:
     return plain_times("\n".join(x for x in out if x) or fallback)
 
 
-def train_blocks(text: str, version: str) -> list:
+def train_blocks(text: str, version: StateVersion) -> list:
     """`/eagle3 train` on a run whose extraction looks complete: a Start training button behind Slack's
     confirmation (the sample files are verified after the click, then training starts)."""
-    button = ButtonElement(text="Start training", action_id=ACTION_TRAIN, value=json.dumps({"v": version}),
+    button = ButtonElement(text="Start training", action_id=ACTION_TRAIN, value=json.dumps({"v": str(version)}),
                            style="primary", confirm=confirm(
                                "Start training?", "Sample files are verified first; then training starts on its "
                                "GPUs, in this run. The SGLang server must have released them.", "Start training"))

@@ -6,8 +6,7 @@ import time
 from pathlib import Path
 
 from pipeline.manifest import mass_line
-from pipeline.states import TRAINING
-from pipeline.status import RunStatus, StageStatus
+from pipeline.status import AutostartResult, RunStatus, StageStatus
 from pipeline.verdict import Verdict, fmt_bytes
 
 
@@ -290,25 +289,21 @@ def server_holds_gpus_text(exc, *, cmd: str = CLI) -> str:
             f"training), or `{cmd}stop server` first; {_force(cmd)} overrides (audited).")
 
 
-def autostart_refused(on: bool, result: dict) -> bool:
-    """True when `autostart off` could not do what was asked (training already runs): exit 2."""
-    return not on and not result["changed"] and (result["state"] or {}).get("step") == TRAINING
-
-
-def autostart_text(on: bool, result: dict, *, cmd: str = CLI) -> str:
+def autostart_text(result: AutostartResult, *, cmd: str = CLI) -> str:
     """What `eagle3 autostart on|off` says."""
-    state = result["state"] or {}
-    if on:
-        armed = "auto-start armed for the next run" if state.get("for_next_run") and state.get("run") is None \
+    state = result.state
+    if result.on:
+        armed = "auto-start armed for the next run" if state and state.for_next_run and state.run is None \
             else "auto-start armed"
-        text = (f"{armed}: {state.get('reason')}" if result["changed"]
-                else f"auto-start already armed for this run (step: {state.get('step')}); nothing changed")
-    elif result["changed"]:
+        reason = state.reason if state else None
+        text = (f"{armed}: {reason}" if result.changed
+                else f"auto-start already armed for this run (step: {state.step if state else 'off'}); nothing changed")
+    elif result.changed:
         text = "auto-start cancelled"
-    elif autostart_refused(on, result):
-        text = f"auto-start can no longer be cancelled: {state.get('reason')}; stop it with `{cmd}stop train`"
+    elif result.refused:
+        text = f"auto-start can no longer be cancelled: {state.reason if state else ''}; stop it with `{cmd}stop train`"
     else:
         text = "auto-start was not armed; nothing changed"
-    if not result["monitor_running"] and on:
+    if not result.monitor_running and result.on:
         text += ". No monitor is running: it advances only inside `eagle3 serve` — start it."
     return text

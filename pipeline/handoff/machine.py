@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import replace
 
 from pipeline.config import Workspace
 from pipeline.errors import UserError
@@ -21,7 +22,6 @@ from pipeline.stages.host import port_free
 from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor
 from pipeline.states import (  # the handoff's steps and edges live on the floor, beside StageProc
     ARMED,
-    CANCELLABLE,
     CANCELLED,
     FAILED,
     FOLLOWED,
@@ -34,6 +34,7 @@ from pipeline.states import (  # the handoff's steps and edges live on the floor
     TRAINING_DONE,
     TRAINING_FAILED,
     WAITING,
+    HandoffState,
     HandoffStep,
     StageProc,
     StageState,
@@ -42,26 +43,17 @@ from pipeline.states import (  # the handoff's steps and edges live on the floor
 from pipeline.store import KV, Store
 from pipeline.train.export import draft_note
 
-KEY = KV.HANDOFF
 RESTART_WAIT_S = 900.0  # how long a restart by hand may take (its stop waits for a checkpoint) before it is an end
 MAX_STEPS_PER_TICK = len(FOLLOWED) + 1  # a tick may walk the whole chain, never loop
 
 
-def handoff_state(store: Store) -> dict | None:
+def handoff_state(store: Store) -> HandoffState | None:
     """The current run's handoff, or None (auto-start off). A handoff made for another run is
     history once a newer run is open; with no run open, the last one still shows how it ended
     (nothing advances it: completion reads only an open run's stages). One armed while no run was
     open (`run` None) is armed for the next run, which it joins."""
-    return handoff_of(store.get(KEY), store.current_run())
-
-
-def handoff_of(state: dict | None, run: str | None) -> dict | None:
-    """`handoff_state` from what was read already: the stored handoff and the open run."""
-    if not state:
-        return None
-    if run is not None and state.get("run") not in (None, run):
-        return None
-    return state
+    state = store.handoff()
+    return state.of_run(store.current_run()) if state else None
 
 
 def _shape(reason: str) -> str:
@@ -76,54 +68,57 @@ class Handoff:
         self.ws, self.store, self.sup, self.gpu, self.clock = ws, store, supervisor, gpu_probe, clock
         self.port_check = port_check
 
-    def state(self) -> dict | None:
+    def state(self) -> HandoffState | None:
         """The current run's handoff, or None when not armed for it."""
         return handoff_state(self.store)
 
-    def _set(self, step: str, reason: str, **fields) -> dict:
+    def _set(self, step: HandoffStep, reason: str, **fields) -> HandoffState:
         """Move the handoff to `step` (or restate it with a new reason), asserting the edge; one event."""
         with self.store.atomic():
-            old = self.state() or {}
-            frm = HandoffStep(old["step"]) if old.get("step") else None
-            if frm != step and (frm, HandoffStep(step)) not in HANDOFF_EDGES:
-                raise AssertionError(f"illegal handoff transition {frm} -> {step}")
-            run = old.get("run") or self.store.current_run()
-            state = {**old, **fields, "run": run, "step": step, "reason": reason, "step_at": self.clock()}
-            self.store.put(KEY, state)
-            self.store.add_event(kind="handoff", run_id=run, data={"step": step, "reason": reason})
+            old = self.state() or HandoffState()
+            if old.step != step and (old.step, step) not in HANDOFF_EDGES:
+                raise AssertionError(f"illegal handoff transition {old.step} -> {step}")
+            run = old.run or self.store.current_run()
+            state = replace(old, **fields, run=run, step=step, reason=reason, step_at=self.clock())
+            self.store.put_handoff(state)
+            self.store.add_event(kind="handoff", run_id=run, data={"step": str(step), "reason": reason})
         return state
 
-    def _note(self, reason: str, *, step: str) -> None:
+    def _at(self, step: HandoffStep) -> bool:
+        """The handoff is at `step` now (read again: a cancel from another process may have landed)."""
+        state = self.state()
+        return state is not None and state.step == step
+
+    def _note(self, reason: str, *, step: HandoffStep) -> None:
         """A new reason within the same step. The state always shows the latest numbers; an event
         is recorded only when the kind of reason changes, not each time a count moves. Read and written in one
         transaction: a cancel from another process that lands between them is never written over (a stale
         "launching-training, retrying in 2 s" once put back a cancelled handoff, which then launched)."""
         with self.store.atomic():
             state = self.state()
-            if not state or state.get("step") != step or state.get("reason") == reason:
+            if not state or state.step != step or state.reason == reason:
                 return  # the step moved on (a cancel) since the caller read it: its news is no longer true
-            if _shape(state.get("reason") or "") != _shape(reason):
-                self._set(state["step"], reason)
+            if _shape(state.reason or "") != _shape(reason):
+                self._set(step, reason)
             else:
-                self.store.put(KEY, {**state, "reason": reason})
+                self.store.put_handoff(replace(state, reason=reason))
 
     # --- verbs ------------------------------------------------------------------------------
-    def arm(self, *, by: str) -> tuple[bool, dict]:
+    def arm(self, *, by: str) -> tuple[bool, HandoffState]:
         """Create the handoff; a second arm is a no-op. Returns (created, state)."""
         with self.store.atomic():
             state, run = self.state(), self.store.current_run()
-            if state and state["step"] in FOLLOWED and state.get("run") in (None, run):  # not a closed run's
+            if state and state.followed and state.run in (None, run):  # not a closed run's
                 return False, state
-            self.store.put(KEY, {"run": run})  # a fresh handoff: nothing of the last one
+            self.store.put_handoff(HandoffState(run=run))  # a fresh handoff: nothing of the last one
             return True, self._set(ARMED, f"armed by {by}" + ("" if run else " for the next run"), armed_by=by,
-                                   armed_at=self.clock(), train_floor=None, gpu_wait_since=None, train_proc_id=None,
-                                   for_next_run=run is None)
+                                   armed_at=self.clock(), for_next_run=run is None)
 
-    def cancel(self, *, by: str) -> tuple[bool, dict | None]:
+    def cancel(self, *, by: str) -> tuple[bool, HandoffState | None]:
         """Cancel before a training process exists. Returns (cancelled, state)."""
         with self.store.atomic():
             state = self.state()
-            if not state or state["step"] not in CANCELLABLE:
+            if not state or not state.cancellable:
                 return False, state
             return True, self._set(CANCELLED, f"cancelled by {by}")
 
@@ -133,15 +128,15 @@ class Handoff:
         self._arm_new_run()
         for _ in range(MAX_STEPS_PER_TICK):
             state = self.state()
-            if not state or state["step"] not in FOLLOWED:
+            if not state or state.step is None or not state.followed:
                 return
-            before = state["step"]
+            before = state.step
             try:
                 {ARMED: self._armed, WAITING: self._waiting, STOPPING: self._stopping, GPU_WAIT: self._gpu_wait,
                  LAUNCHING: self._launching, TRAINING: self._training}[before](state)
             except UserError as exc:
                 self._set(FAILED, str(exc))
-            if (self.state() or {}).get("step") == before:
+            if (now := self.state()) is not None and now.step == before:
                 return
 
     def _arm_new_run(self) -> None:
@@ -158,12 +153,12 @@ class Handoff:
         proc = self.store.latest_proc("train", run=run) if run else None
         return proc if proc and proc.state in MAYBE_ALIVE_STATES else None
 
-    def _armed(self, state: dict) -> None:
-        if state.get("run") is None and self.store.current_run() is None:
+    def _armed(self, state: HandoffState) -> None:
+        if state.run is None and self.store.current_run() is None:
             return  # armed for the next run: nothing to wait for until it opens
         self._set(WAITING, "waiting for verified completion of extraction")
 
-    def _waiting(self, state: dict) -> None:
+    def _waiting(self, state: HandoffState) -> None:
         if (train := self._manual_training()) is not None:
             how = train.who if train.launched else "being started"
             self._set(CANCELLED, f"training was started by hand and is running ({how}); auto-start stands down")
@@ -174,7 +169,7 @@ class Handoff:
             return
         self._set(STOPPING, f"extraction verified complete ({c.done:,} done, {c.failed or 0:,} failed of {c.total:,})")
 
-    def _stopping(self, state: dict) -> None:
+    def _stopping(self, state: HandoffState) -> None:
         result = self.sup.stop("server", grace_s=self.ws.config.handoff.server_stop_grace_s)
         how = "was not running" if not result.was_running else (
             "stopped with SIGKILL after the grace period" if result.escalated else "stopped")
@@ -184,13 +179,13 @@ class Handoff:
         self._set(GPU_WAIT, f"server {how}; waiting for the training GPUs to be released", gpu_wait_since=self.clock(),
                   server_stopped_at=self.clock())
 
-    def _gpu_wait(self, state: dict) -> None:
+    def _gpu_wait(self, state: HandoffState) -> None:
         released, why = self._released(state)
         if released:
             floor = max((p.id for p in self.store.procs("train")), default=0)
             self._set(LAUNCHING, why, train_floor=floor)
             return
-        waited = self.clock() - (state.get("gpu_wait_since") or self.clock())
+        waited = self.clock() - (state.gpu_wait_since or self.clock())
         if waited > self.ws.config.handoff.gpu_release_timeout_s:
             reason = f"GPUs not released after {waited:.0f} s: {why}; training not launched"
             self.store.add_event(kind="handoff-alert", data={"reason": reason})
@@ -198,7 +193,7 @@ class Handoff:
         else:
             self._note(f"waiting for GPU release: {why}", step=GPU_WAIT)
 
-    def _released(self, state: dict) -> tuple[bool, str]:
+    def _released(self, state: HandoffState) -> tuple[bool, str]:
         server = self.store.latest_proc("server")
         if server and server.is_job:  # on a cluster: the server's GPUs are free once its job has left the queue
             if server.state in MAYBE_ALIVE_STATES:
@@ -209,7 +204,7 @@ class Handoff:
             return False, f"port {port} still in use"
         reading = self.gpu.read() if self.gpu else None
         if reading is None or reading.unknown:
-            settled = self.clock() - (state.get("server_stopped_at") or 0) >= self.ws.config.handoff.settle_s
+            settled = self.clock() - (state.server_stopped_at or 0) >= self.ws.config.handoff.settle_s
             why = reading.unknown if reading else "no GPU probe"
             return settled, f"server processes gone and port {port} free; GPU memory could not be checked ({why})"
         baseline = self.store.get(KV.GPU_BASELINE) or {}
@@ -222,8 +217,8 @@ class Handoff:
                 f"{g['index']} ({g['mem_used_mb']:.0f} MB)" for g in held)
         return True, f"training GPUs back to their baseline memory and port {port} free"
 
-    def _launching(self, state: dict) -> None:
-        floor = state.get("train_floor") or 0
+    def _launching(self, state: HandoffState) -> None:
+        floor = state.train_floor or 0
 
         def rows() -> list[StageProc]:
             return self.store.procs("train", after=floor)
@@ -251,14 +246,14 @@ class Handoff:
                                f"({attempts[-1].reason}); retrying in {due - self.clock():.0f} s", step=LAUNCHING)
                     return
             # checked in the insert's transaction: a cancel that landed since this tick read the step wins
-            if self.sup.start("train", only_if=lambda: (self.state() or {}).get("step") == LAUNCHING) is None:
+            if self.sup.start("train", only_if=lambda: self._at(LAUNCHING)) is None:
                 return
         started = [p for p in rows() if p.launched]
         if not started:
             self._note("waiting for the training runner to report its pid", step=LAUNCHING)
             return
         with self.store.atomic():  # the same transaction as a cancel's check: one of the two wins
-            if (self.state() or {}).get("step") == LAUNCHING:
+            if self._at(LAUNCHING):
                 self._set(TRAINING, f"training launched ({started[0].who})", train_proc_id=started[0].id)
                 return
         # Cancelled while the launch was under way: the operator was told no training would run.
@@ -273,10 +268,10 @@ class Handoff:
         train = ws.config.stages.train
         return draft_note(ws.resolve(train.out), train.argv, cwd=ws.resolve(train.cwd) or ws.root)
 
-    def _training(self, state: dict) -> None:
+    def _training(self, state: HandoffState) -> None:
         """Follow training to its end: the handoff ends `training-done` or `training-failed`."""
         self.sup.refresh()
-        proc = self.store.proc(state.get("train_proc_id") or 0)
+        proc = self.store.proc(state.train_proc_id or 0)
         if not proc or (proc.state in MAYBE_ALIVE_STATES and proc.ended_at is None):
             return
         latest = self.store.latest_proc("train", run=proc.run_id)

@@ -565,11 +565,11 @@ def test_an_escalation_is_a_broadcast_reply_in_the_alerts_thread_and_is_resolved
 def test_one_ending_for_training_that_auto_start_followed_and_who_did_what_as_mentions(env):
     """Training's end is broadcast once — auto-start's training-done, with the draft and how long it took — not
     also as "train is done"; "armed by slack:U…" reads as a mention."""
-    from pipeline.handoff.machine import KEY
+    from pipeline.states import HandoffState, HandoffStep
 
     n, store, fake = env["notifier"](), env["store"], env["fake"]
     n.tick(store)
-    store.put(KEY, {"run": "r1", "step": "training-running"})
+    store.put_handoff(HandoffState(run="r1", step=HandoffStep.TRAINING))
     store.add_event(kind="handoff", run_id="r1", data={"step": "armed", "reason": "armed by slack:U0ONCALL"})
     verdict(store, "train", "progressing", "done", ("exited 0 with 60 / 60 done",))
     store.add_event(kind="handoff", run_id="r1", data={"step": "training-done", "reason": "training finished (exit 0)"})

@@ -177,7 +177,7 @@ def test_button_double_click_is_one_state_change_and_updates_the_message(slack):
     try:
         for _ in range(2):
             Handoff(ws=ws, store=store, supervisor=Supervisor(workspace=ws, store=store)).tick()
-        moved = Handoff(ws=ws, store=store, supervisor=Supervisor(workspace=ws, store=store)).state()["step"]
+        moved = Handoff(ws=ws, store=store, supervisor=Supervisor(workspace=ws, store=store)).state().step
     finally:
         store.close()
     assert moved == "waiting-for-completion" and json.loads(cancel["value"])["v"].endswith(":armed")

@@ -452,3 +452,40 @@ def test_only_the_floor_spells_a_handoff_step():
                  for package in ("bot", "handlers", "pipeline") for p in (ROOT / package).rglob("*.py")
                  if p != ROOT / "pipeline" / "states.py"}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_handoffs_state_leaves_the_store_only_as_a_handoff_state():
+    """The handoff is a typed record (`HandoffState`, pipeline/states.py): outside the store, the kv entry
+    `KV.HANDOFF` is read only straight into `HandoffState.from_json` (status's one batched read) and written by
+    nobody, so no module can read the state's dict by key — mypy refuses `state["step"]` on the record."""
+    offenders = []
+    for package in ("bot", "handlers", "pipeline"):
+        for p in (ROOT / package).rglob("*.py"):
+            if p == ROOT / "pipeline" / "store.py":
+                continue
+            tree = ast.parse(p.read_text())
+            allowed = set()
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "from_json" and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "HandoffState"):
+                    allowed |= {id(n) for n in ast.walk(node)}
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "get_many"):  # the batched read's list of keys: its value is above
+                    allowed |= {id(n) for arg in node.args for n in ast.walk(arg)}
+            offenders += [f"{p.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree)
+                          if isinstance(n, ast.Attribute) and n.attr == "HANDOFF" and isinstance(n.value, ast.Name)
+                          and n.value.id == "KV" and id(n) not in allowed]
+    assert offenders == []
+    # and the key's string itself is spelled once, in KV
+    spelled = [str(p.relative_to(ROOT)) for package in ("bot", "handlers", "pipeline")
+               for p in (ROOT / package).rglob("*.py") if re.search(r"""get\(["']handoff["']""", p.read_text())]
+    assert spelled == []
+
+
+def test_only_the_middlewares_trail_writes_the_audit():
+    """Who asked, where and for what is bound once, by the middleware (handlers/auth.Trail); a listener hands back
+    only how its request ended. No listener calls the controller's audit itself."""
+    offenders = {str(p.relative_to(ROOT)): len(re.findall(r"\.audit\(", p.read_text()))
+                 for p in (ROOT / "handlers").rglob("*.py") if p != ROOT / "handlers" / "auth.py"}
+    assert {k: v for k, v in offenders.items() if v} == {}

@@ -25,14 +25,14 @@ CONFIG = "[stages.server]\nargv = [\"x\"]\ngpus = [0, 1, 2, 3]\n[stages.train]\n
 def test_a_new_run_starts_with_auto_start_off(ctl):
     store = ctl.store
     first = store.open_run()
-    assert ctl.autostart(True)["changed"]
-    assert handoff_state(store)["run"] == first
+    assert ctl.autostart(True).changed
+    assert handoff_state(store).run == first
     store.close_run(first, reason="all stages stopped")
-    assert handoff_state(store)["step"] == "armed", "with no run open, the last run's handoff still shows"
+    assert handoff_state(store).step == "armed", "with no run open, the last run's handoff still shows"
     store.open_run()
     assert handoff_state(store) is None and ctl.status(sample_if_unmonitored=False).autostart == "off"
     again = ctl.autostart(True)
-    assert again["changed"] and again["state"]["run"] == store.current_run()
+    assert again.changed and again.state.run == store.current_run()
 
 
 def test_autostart_configured_arms_each_new_run(tmp_path):
@@ -44,7 +44,7 @@ def test_autostart_configured_arms_each_new_run(tmp_path):
         assert handoff_state(store) is None, "no run: nothing to arm"
         store.open_run()
         h._arm_new_run()
-        assert handoff_state(store)["step"] == "armed" and "config" in handoff_state(store)["reason"]
+        assert handoff_state(store).step == "armed" and "config" in handoff_state(store).reason
     finally:
         store.close()
 
@@ -184,8 +184,8 @@ def test_autostart_true_in_a_used_workspace_waits_for_this_runs_extraction(tmp_p
         for _ in range(3):
             h.tick()
         state = handoff_state(store)
-        assert state["step"] == "waiting-for-completion"
-        assert state["reason"] == "waiting: extraction has not run in this run"
+        assert state.step == "waiting-for-completion"
+        assert state.reason == "waiting: extraction has not run in this run"
         assert set(steps(store)) == {"armed", "waiting-for-completion"}, "the server was never stopped"
     finally:
         store.close()
@@ -198,17 +198,17 @@ def test_arming_between_runs_is_for_the_next_run_and_never_acts_on_the_last(tmp_
         result = ctl.autostart(True, by="cli:ana")
         from handlers.render.views import autostart_text
 
-        assert autostart_text(True, result).startswith("auto-start armed for the next run: armed by cli:ana")
+        assert autostart_text(result).startswith("auto-start armed for the next run: armed by cli:ana")
         h = Handoff(ws=ws, store=store, supervisor=RecordingSupervisor(), port_check=lambda port: True)
         h.tick()
-        assert handoff_state(store)["step"] == "armed", "no run open: nothing to wait for yet"
+        assert handoff_state(store).step == "armed", "no run open: nothing to wait for yet"
         run = store.open_run()
         add_proc(store, run, "server")
         h.tick()
         h.tick()
         state = handoff_state(store)
-        assert (state["run"], state["step"]) == (run, "waiting-for-completion")
-        assert "extraction has not run in this run" in state["reason"]
+        assert (state.run, state.step) == (run, "waiting-for-completion")
+        assert "extraction has not run in this run" in state.reason
         assert ctl.status(sample_if_unmonitored=False).autostart == "waiting-for-completion"
     finally:
         ctl.close()
@@ -239,7 +239,7 @@ def test_training_started_by_hand_while_armed_makes_the_handoff_stand_down(tmp_p
         add_proc(store, run, "train")
         h.tick()
         state = handoff_state(store)
-        assert state["step"] == "cancelled" and "started by hand" in state["reason"]
+        assert state.step == "cancelled" and "started by hand" in state.reason
     finally:
         store.close()
 
@@ -259,13 +259,13 @@ def test_the_handoff_moves_only_along_its_edge_table(tmp_path):
     ws, store = used_ws(tmp_path)
     try:
         h = Handoff(ws=ws, store=store, supervisor=None)
-        assert h.arm(by="test")[1]["step"] == ARMED
+        assert h.arm(by="test")[1].step == ARMED
         with pytest.raises(AssertionError, match="illegal handoff transition armed -> training-done"):
             h._set(TRAINING_DONE, "skipping the whole handoff")
-        assert h.state()["step"] == ARMED
+        assert h.state().step == ARMED
         h._set(WAITING, "watched")
         h._set(WAITING, "a new reason, the same step")
-        assert h.cancel(by="test")[1]["step"] == CANCELLED
+        assert h.cancel(by="test")[1].step == CANCELLED
     finally:
         store.close()
     reachable, frontier = set(), {None}
@@ -393,15 +393,15 @@ def test_a_restart_of_training_by_hand_is_followed_to_its_end_not_taken_for_a_ca
         store.put("restarting:train", {"of": first, "t": now[0]})  # Controller.restart, under way
         store.update_proc(first, state="stopped", stop_requested=1, ended_at=1000.0, reason="stopped on request")
         h._training(h.state())
-        assert h.state()["step"] == TRAINING, "the restart's stop is not a cancel"
+        assert h.state().step == TRAINING, "the restart's stop is not a cancel"
         second = store.insert_proc({"run_id": run, "stage": "train", "state": "running", "argv": "[]",
                                     "started_at": 1001.0, "stop_requested": 0})
         store.put("restarting:train", None)
         h._training(h.state())
-        assert h.state()["train_proc_id"] == second and "restarted" in h.state()["reason"]
+        assert h.state().train_proc_id == second and "restarted" in h.state().reason
         store.update_proc(second, state="exited", exit_code=0, ended_at=1061.0)
         h._training(h.state())
-        assert h.state()["step"] == TRAINING_DONE
+        assert h.state().step == TRAINING_DONE
         ending = store.events(kind="handoff")[-1]
         assert Notifier._took(type("N", (), {})(), store, ending) == 961.0  # 100 → 1061, not the last minute
     finally:
@@ -481,8 +481,8 @@ def test_a_cancel_that_lands_while_a_step_notes_its_news_is_never_written_over(t
         h._note("launch attempt 1 of 3 failed (x); retrying in 2 s", step=LAUNCHING)
         canceller.join(timeout=10)
         h.state = read
-        assert handoff_state(store)["step"] == CANCELLED
+        assert handoff_state(store).step == CANCELLED
         h._note("launch attempt 1 of 3 failed (x); retrying in 1 s", step=LAUNCHING)  # a tick that read it before
-        assert handoff_state(store)["step"] == CANCELLED and handoff_state(store)["reason"] == "cancelled by cli"
+        assert handoff_state(store).step == CANCELLED and handoff_state(store).reason == "cancelled by cli"
     finally:
         store.close()

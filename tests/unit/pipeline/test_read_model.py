@@ -6,7 +6,7 @@ import json
 import pytest
 
 from handlers.render.alerts import event_message
-from pipeline.handoff.machine import CANCELLABLE, FOLLOWED, HandoffStep
+from pipeline.states import CANCELLABLE, FOLLOWED, HandoffState, HandoffStep, StateVersion
 from pipeline.verdict import VERDICTS, StoredVerdict, Verdict, VerdictRecord
 
 
@@ -32,6 +32,41 @@ def test_handoff_steps_cancellable_followed_and_final():
     assert {s for s in HandoffStep if s.final} == {"training-done", "training-failed", "failed", "cancelled"}
     assert "armed" in CANCELLABLE and "training-running" not in CANCELLABLE  # a stored str finds its step
     assert json.dumps({"step": HandoffStep.GPU_WAIT}) == '{"step": "waiting-for-gpu-release"}'
+
+
+def test_the_handoffs_record_reads_what_an_earlier_version_stored_and_writes_the_same_json(tmp_path):
+    """The store's JSON is the contract across versions: an entry written before the record was typed (a dict
+    with a key no longer used, one without `for_next_run`) reads, and a record writes back what it read."""
+    from pipeline.store import KV, Store
+
+    store = Store(tmp_path / "s.db")
+    try:
+        stored = {"run": "r1", "step": "waiting-for-gpu-release", "reason": "port 30000 still in use",
+                  "gpu_wait_since": 1000.0, "train_floor": 3, "an_old_key": 1}
+        store.put(KV.HANDOFF, stored)
+        state = store.handoff()
+        assert state is not None and state.step is HandoffStep.GPU_WAIT and state.cancellable and state.followed
+        assert (state.run, state.train_floor, state.for_next_run, state.train_proc_id) == ("r1", 3, False, None)
+        store.put_handoff(state)
+        again = store.get(KV.HANDOFF)
+        kept = {k: v for k, v in stored.items() if k != "an_old_key"}
+        assert {k: again[k] for k in kept} == kept and "an_old_key" not in again
+        assert state.of_run("r1") is state and state.of_run("r2") is None and state.of_run(None) is state
+        assert HandoffState(run=None, step=HandoffStep.ARMED).of_run("r2") is not None  # armed for the next run
+        assert HandoffState.from_json(None) is None and HandoffState.from_json({}) is None
+        assert HandoffState(step=HandoffStep.CANCELLED).shown == "off" and HandoffState().shown == "off"
+    finally:
+        store.close()
+
+
+def test_a_buttons_version_is_the_run_and_the_step_and_a_foreign_value_is_none():
+    v = StateVersion(run="r20261206-1", step=HandoffStep.WAITING)
+    assert str(v) == "r20261206-1:waiting-for-completion" and StateVersion.parse(str(v)) == v and v.cancellable
+    off = StateVersion(run=None, step=None)
+    assert str(off) == "None:off" and StateVersion.parse("None:off") == off and not off.cancellable
+    assert StateVersion.parse("r1:training-done") == StateVersion(run="r1", step=HandoffStep.TRAINING_DONE)
+    for foreign in (None, "", "v", "r1:a-step-from-a-newer-version"):
+        assert StateVersion.parse(foreign) is None, foreign
 
 
 @pytest.mark.parametrize("frm,to,kind", [("progressing", "stalled", "alert"), ("slow", "dead", "alert"),
