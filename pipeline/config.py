@@ -10,9 +10,17 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal, overload
+from typing import Annotated, Any, Literal, overload
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pipeline.errors import ConfigError
 
@@ -27,8 +35,147 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# --- the progress source's settings: one model a source, chosen by the stage's `progress` ----------------------
+
+
+_SOURCE = "the progress source (the stage's `progress`)"
+_EXECUTOR = "the executor (the stage's `executor`)"
+
+
+class _Progress(_Section):
+    """Settings of one progress source. In eagle3.toml they sit flat in the stage's table beside `progress`
+    (`progress_dir = …`); `StageConfig` gathers them here, and gives them back flat (`model_dump`)."""
+
+
+class JsonlFields(_Progress):
+    """Where a progress.jsonl is and what its fields are called (progress-jsonl's settings, and auto's: auto is
+    progress-jsonl for train)."""
+
+    progress_file: str | None = Field(
+        default=None, description="With progress = progress-jsonl: the JSON-lines file (default: train out/progress.jsonl).")
+    progress_fields: dict[str, str] = Field(
+        default_factory=dict, description='With progress = progress-jsonl: this tool\'s names for step, total and loss, '
+                                          'e.g. {step = "global_step", total = "max_steps", loss = "train_loss"}.')
+
+    @field_validator("progress_fields")
+    @classmethod
+    def _fields(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(PROGRESS_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}: map any of {', '.join(PROGRESS_FIELDS)} to the "
+                             "tool's field names")
+        return value
+
+
+class ProgressJsonlSettings(JsonlFields):
+    kind: Literal["progress-jsonl"] = Field(default="progress-jsonl", description=_SOURCE)
+
+
+class AutoProgress(JsonlFields):
+    """The stage's own source: the manifest for extract and regenerate, progress.jsonl for train (whose file and
+    field names may be set), none for the server."""
+
+    kind: Literal["auto"] = Field(default="auto", description=_SOURCE)
+
+
+class ManifestProgress(_Progress):
+    kind: Literal["manifest"] = Field(default="manifest", description=_SOURCE)
+
+
+class TensorboardSettings(_Progress):
+    kind: Literal["tensorboard"] = Field(default="tensorboard", description=_SOURCE)
+    progress_dir: str | None = Field(
+        default=None, description="With progress = tensorboard: the event-file directory (SpecForge: <output_dir>/runs).")
+    progress_tag: str | None = Field(
+        default=None, description="With progress = tensorboard: the scalar whose step counts, e.g. \"train/loss\".")
+    progress_total: int | None = Field(
+        default=None, ge=1, description="With progress = tensorboard: the total steps (or progress_total_tag).")
+    progress_total_tag: str | None = Field(
+        default=None, description="With progress = tensorboard: a scalar holding the total steps, if the tool logs one.")
+    loss_tag: str | None = Field(
+        default=None, description="With progress = tensorboard: the loss scalar, shown in status, charts and metrics.")
+
+    @model_validator(mode="after")
+    def _needed(self):
+        if not (self.progress_dir and self.progress_tag):
+            raise ValueError('progress = "tensorboard" needs progress_dir (the event files) and progress_tag '
+                             '(the scalar whose step counts, e.g. "train/loss")')
+        return self
+
+
+class LogRegexSettings(_Progress):
+    kind: Literal["log-regex"] = Field(default="log-regex", description=_SOURCE)
+    progress_regex: str | None = Field(
+        default=None, description="With progress = log-regex: a regex with groups (?P<done>…) and optionally (?P<total>…).")
+
+    @field_validator("progress_regex")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            compiled = _compile(value, "not a valid regular expression")
+            if "done" not in compiled.groupindex:
+                raise ValueError("the regex needs a named group (?P<done>\\d+)")
+        return value
+
+
+class FilesSettings(_Progress):
+    kind: Literal["files"] = Field(default="files", description=_SOURCE)
+    files_total: int | None = Field(default=None, ge=1, description="With progress = files: the expected file count.")
+
+
+class NoProgress(_Progress):
+    kind: Literal["none"] = Field(default="none", description=_SOURCE)
+
+
+ProgressSettings = Annotated[AutoProgress | ManifestProgress | ProgressJsonlSettings | TensorboardSettings
+                             | LogRegexSettings | FilesSettings | NoProgress, Field(discriminator="kind")]
+
+
+# --- the executor's settings: one model an executor, chosen by the stage's `executor` ----------------------------
+
+
+class LocalSettings(_Section):
+    """A detached runner on this host: nothing to set."""
+
+    kind: Literal["local"] = Field(default="local", description=_EXECUTOR)
+
+
+class SlurmSettings(_Section):
+    """A Slurm job (see [slurm] for the cluster's own settings)."""
+
+    kind: Literal["slurm"] = Field(default="slurm", description=_EXECUTOR)
+    nodes: int = Field(default=1, ge=1, description="Slurm: nodes for the job (above 1: `srun` + torchrun's c10d rendezvous).")
+    gpus_per_node: int = Field(default=0, ge=0, description="Slurm: GPUs per node (`--gres=gpu:N`).")
+    cpus_per_task: int = Field(default=1, ge=1, description="Slurm: CPUs for the stage's one task per node.")
+    mem: str | None = Field(default=None, description='Slurm: memory per node, e.g. "64G" (unset: the partition\'s default).')
+    slurm_args: list[str] = Field(default_factory=list, description='Slurm: more sbatch options for this stage only, '
+                                  'e.g. ["--nodelist=gpu-017"] to put the server and extraction on one node.')
+
+
+ExecutorSettings = Annotated[LocalSettings | SlurmSettings, Field(discriminator="kind")]
+
+# (the stage's key that chooses, its default, the models it chooses among)
+_OWNED: dict[str, tuple[str, tuple[type[_Section], ...]]] = {
+    "progress": ("auto", (AutoProgress, ManifestProgress, ProgressJsonlSettings, TensorboardSettings,
+                          LogRegexSettings, FilesSettings, NoProgress)),
+    "executor": ("local", (LocalSettings, SlurmSettings)),
+}
+
+
+def _settings_of(models: tuple[type[_Section], ...]) -> dict[str, list[str]]:
+    """Each owned setting's name → the kinds that have it."""
+    owners: dict[str, list[str]] = {}
+    for model in models:
+        for name in model.model_fields:
+            if name != "kind":
+                owners.setdefault(name, []).append(model.model_fields["kind"].default)
+    return owners
+
+
 class StageConfig(_Section):
-    """One pipeline stage: what to run and how to supervise it."""
+    """One pipeline stage: what to run and how to supervise it. Its progress source's settings and its
+    executor's settings are their own models (`progress`, `executor`), chosen by the keys of those names; the
+    TOML keeps them flat in the stage's table."""
 
     argv: list[str] = Field(default_factory=list, description="Command as a list of arguments; never a shell string.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the stage.")
@@ -41,58 +188,52 @@ class StageConfig(_Section):
     final_exit_codes: list[int] = Field(
         default_factory=lambda: [2], description="Exit codes no restart can fix (a usage, configuration or input "
                                                  "error: eagle3's own commands and argparse exit 2): never restarted.")
-    progress: Literal["auto", "manifest", "progress-jsonl", "tensorboard", "log-regex", "files", "none"] = Field(
-        default="auto", description="Progress authority (auto: manifest for extract and regenerate, progress.jsonl for "
-                                    "train, none for server).")
-    progress_file: str | None = Field(
-        default=None, description="With progress = progress-jsonl: the JSON-lines file (default: train out/progress.jsonl).")
-    progress_fields: dict[str, str] = Field(
-        default_factory=dict, description='With progress = progress-jsonl: this tool\'s names for step, total and loss, '
-                                          'e.g. {step = "global_step", total = "max_steps", loss = "train_loss"}.')
-    progress_dir: str | None = Field(
-        default=None, description="With progress = tensorboard: the event-file directory (SpecForge: <output_dir>/runs).")
-    progress_tag: str | None = Field(
-        default=None, description="With progress = tensorboard: the scalar whose step counts, e.g. \"train/loss\".")
-    progress_total: int | None = Field(
-        default=None, ge=1, description="With progress = tensorboard: the total steps (or progress_total_tag).")
-    progress_total_tag: str | None = Field(
-        default=None, description="With progress = tensorboard: a scalar holding the total steps, if the tool logs one.")
-    loss_tag: str | None = Field(
-        default=None, description="With progress = tensorboard: the loss scalar, shown in status, charts and metrics.")
+    progress: ProgressSettings = Field(
+        default_factory=AutoProgress, description="Progress authority: auto (manifest for extract and regenerate, "
+        "progress.jsonl for train, none for server), manifest, progress-jsonl, tensorboard, log-regex, files or "
+        "none; its settings beside it (progress_*, loss_tag, files_total).")
     done_when: str = Field(
         default="exit0", description='What "done" means: "exit0", "exit0-and-total" (and the last step reached the '
                                      'total), or "file:GLOB" (and a file matching GLOB exists, relative to cwd).')
-    progress_regex: str | None = Field(
-        default=None, description="With progress = log-regex: a regex with groups (?P<done>…) and optionally (?P<total>…).")
     files_dir: str | None = Field(default=None, description="Output tree scanned for activity (default: extract out/hidden_states, train out).")
     files_suffix: str = Field(default="", description="Only files with this suffix count as final files.")
-    files_total: int | None = Field(default=None, ge=1, description="With progress = files: the expected file count.")
-    executor: Literal["local", "slurm"] = Field(
-        default="local", description="Who runs the stage: a detached runner on this host, or a Slurm job (see [slurm]).")
-    nodes: int = Field(default=1, ge=1, description="Slurm: nodes for the job (above 1: `srun` + torchrun's c10d rendezvous).")
-    gpus_per_node: int = Field(default=0, ge=0, description="Slurm: GPUs per node (`--gres=gpu:N`).")
-    cpus_per_task: int = Field(default=1, ge=1, description="Slurm: CPUs for the stage's one task per node.")
-    mem: str | None = Field(default=None, description='Slurm: memory per node, e.g. "64G" (unset: the partition\'s default).')
-    slurm_args: list[str] = Field(default_factory=list, description='Slurm: more sbatch options for this stage only, '
-                                  'e.g. ["--nodelist=gpu-017"] to put the server and extraction on one node.')
+    executor: ExecutorSettings = Field(
+        default_factory=LocalSettings, description="Who runs the stage: local (a detached runner on this host) or "
+        "slurm (a Slurm job, see [slurm]; its settings beside it: nodes, gpus_per_node, cpus_per_task, mem, "
+        "slurm_args).")
 
-    @field_validator("progress_regex")
+    @model_validator(mode="before")
     @classmethod
-    def _regex(cls, value: str | None) -> str | None:
-        if value is not None:
-            compiled = _compile(value, "not a valid regular expression")
-            if "done" not in compiled.groupindex:
-                raise ValueError("the regex needs a named group (?P<done>\\d+)")
-        return value
+    def _gather(cls, data: Any) -> Any:
+        """The flat TOML table → each owned model's own settings, under the key that chooses it. A setting of
+        another kind than the one chosen is refused, naming both (it would be silently ignored otherwise)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key, (default, models) in _OWNED.items():
+            chosen = data.get(key, default)
+            if isinstance(chosen, dict) or isinstance(chosen, BaseModel):
+                continue  # already gathered (a model_copy, a model_validate of a dump)
+            owners = _settings_of(models)
+            mine = {name: data.pop(name) for name in list(data) if name in owners}
+            if isinstance(chosen, str) and chosen in {m.model_fields["kind"].default for m in models}:
+                for name in mine:
+                    if chosen not in owners[name]:
+                        kinds = " or ".join(f'"{k}"' for k in owners[name] if k != "auto")
+                        raise ValueError(f'{name} is a setting of {key} = {kinds}, and this stage\'s {key} is '
+                                         f'"{chosen}": set {key} = {kinds.split(" or ")[0]}, or remove {name}')
+            data[key] = {"kind": chosen, **mine}
+        return data
 
-    @field_validator("progress_fields")
-    @classmethod
-    def _fields(cls, value: dict[str, str]) -> dict[str, str]:
-        unknown = sorted(set(value) - set(PROGRESS_FIELDS))
-        if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)}: map any of {', '.join(PROGRESS_FIELDS)} to the "
-                             "tool's field names")
-        return value
+    @model_serializer(mode="wrap")
+    def _flat(self, handler) -> dict[str, Any]:
+        """The stage as eagle3.toml writes it: the owned settings flat beside the key that chose them."""
+        out = handler(self)
+        for key in _OWNED:
+            owned = dict(out.pop(key))
+            out[key] = owned.pop("kind")
+            out.update(owned)
+        return out
 
     @field_validator("done_when")
     @classmethod
@@ -100,13 +241,6 @@ class StageConfig(_Section):
         if value in ("exit0", "exit0-and-total") or (value.startswith("file:") and value[5:].strip()):
             return value
         raise ValueError(f'expected "exit0", "exit0-and-total" or "file:GLOB", got {value!r}')
-
-    @model_validator(mode="after")
-    def _tensorboard(self):
-        if self.progress == "tensorboard" and not (self.progress_dir and self.progress_tag):
-            raise ValueError('progress = "tensorboard" needs progress_dir (the event files) and progress_tag '
-                             '(the scalar whose step counts, e.g. "train/loss")')
-        return self
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -121,6 +255,10 @@ class StageConfig(_Section):
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
             raise ValueError(f'expected a list of strings such as ["python", "-m", "x"], got {_show(value)}')
         return value
+
+    @property
+    def on_slurm(self) -> bool:
+        return self.executor.kind == "slurm"
 
 
 class ServerStage(StageConfig):
@@ -270,6 +408,8 @@ RUN_TOKEN = "{run}"  # in a stage's paths and argv: the run's id, so each run wr
 
 
 def _expand(value: object, run: str) -> object:
+    if isinstance(value, BaseModel):  # a stage's progress or executor settings
+        return value.model_copy(update={k: _expand(getattr(value, k), run) for k in type(value).model_fields})
     if isinstance(value, str):
         return value.replace(RUN_TOKEN, run)
     if isinstance(value, list):
@@ -386,10 +526,27 @@ def _show(value: object) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
+def _where(loc: tuple) -> str:
+    """The key as eagle3.toml spells it: a stage's owned settings sit flat in its table, so the model's path
+    (`stages.train.progress.tensorboard.progress_dir`) reads `stages.train.progress_dir`, and an error of the
+    settings as a whole (`….progress.tensorboard`) reads `stages.train.progress`."""
+    parts = [str(p) for p in loc]
+    for i in range(len(parts) - 1):
+        if parts[i] in _OWNED and i >= 2 and parts[i - 2] == "stages":
+            rest = parts[i + 2:]
+            parts = parts[:i] + rest if rest else parts[:i + 1]
+            break
+    return ".".join(parts) or "(top level)"
+
+
 def _format_error(name: str, err: ValidationError) -> str:
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    where = _where(first["loc"])
     kind = first["type"]
+    if kind == "union_tag_invalid":
+        ctx = first.get("ctx") or {}
+        return (f"{name}: {where}: expected one of {ctx.get('expected_tags', '')}, "
+                f"got {_show(ctx.get('tag'))}")
     if kind == "extra_forbidden":
         return f"{name}: {where}: unknown setting; check its spelling against `eagle3 init` or deploy/eagle3.example.toml"
     msg = first["msg"].removeprefix("Value error, ")

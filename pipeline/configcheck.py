@@ -63,7 +63,7 @@ def _state_on_local_disk(ws: Workspace) -> list[str]:
 
 def slurm_problems(ws: Workspace) -> list[str]:
     """For stages with executor = "slurm": Slurm's client commands here and a controller that answers."""
-    stages = [s for s in STAGE_NAMES if ws.stage(s).executor == "slurm"]
+    stages = [s for s in STAGE_NAMES if ws.stage(s).on_slurm]
     if not stages:
         return []
     where = f"{ws.path.name}: stages.{stages[0]}.executor"
@@ -165,7 +165,7 @@ def _commands(ws: Workspace, path_env: str) -> list[str]:
     out = []
     for stage in STAGE_NAMES:
         cfg = ws.stage(stage)
-        if not cfg.argv or PLACEHOLDER.search(cfg.argv[0]) or cfg.executor == "slurm":
+        if not cfg.argv or PLACEHOLDER.search(cfg.argv[0]) or cfg.on_slurm:
             continue  # a job's command is looked up on its compute node, not here
         why = command_problem(cfg.argv[0], cwd=ws.resolve(cfg.cwd) or ws.root, path_env=cfg.env.get("PATH", path_env))
         if why:

@@ -163,7 +163,7 @@ class Controller:
         proc = self.store.latest_proc("server")
         if not proc or proc.state not in MAYBE_ALIVE_STATES:
             return
-        if proc.executor == "slurm" and self.ws.stage("train").executor == "slurm":
+        if proc.is_job and self.ws.stage("train").on_slurm:
             return  # two jobs: Slurm gives each its own GPUs
         server, train = set(self.ws.stage("server").gpus), set(self.ws.stage("train").gpus)
         if server and train and not server & train:

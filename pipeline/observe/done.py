@@ -20,7 +20,13 @@ import glob
 import time
 from pathlib import Path
 
-from pipeline.config import Workspace
+from pipeline.config import (
+    FilesSettings,
+    JsonlFields,
+    LogRegexSettings,
+    TensorboardSettings,
+    Workspace,
+)
 from pipeline.layout import parts_dir
 from pipeline.observe.probes import Reading, known, unknown
 from pipeline.observe.probes.progress import (
@@ -35,7 +41,7 @@ from pipeline.verdict import num
 
 def source_of(ws: Workspace, stage: str) -> str:
     """The stage's progress source, `auto` resolved."""
-    declared = ws.stage(stage).progress
+    declared = ws.stage(stage).progress.kind
     if declared != "auto":
         return declared
     return {"extract": "manifest", "regenerate": "manifest", "train": "progress-jsonl"}.get(stage, "none")
@@ -47,28 +53,31 @@ def progress_call(ws: Workspace, stage: str, files: dict | None, *, clock=time.t
     keeps the incremental ones (a log tail, event files) between calls. With `run`, a manifest or this trainer's
     progress.jsonl that another run wrote reads as unknown."""
     source, cfg = source_of(ws, stage), ws.stage(stage)
+    settings = cfg.progress  # the source's own settings (pipeline/config.py: one model a source)
     readers = {} if readers is None else readers
     if source == "manifest":
         out = ws.resolve(getattr(cfg, "out", None))
         where = parts_dir(out) if stage == "regenerate" and out is not None else out
         return lambda: read_manifest(where, clock=clock, stage=stage, run=run)
-    if source == "progress-jsonl" and (cfg.progress_file or cfg.progress_fields):
-        path = ws.resolve(cfg.progress_file) or ((ws.out_dir(stage) or ws.root) / "progress.jsonl")
-        return lambda: read_jsonl_progress(path, cfg.progress_fields, clock=clock)
+    if isinstance(settings, JsonlFields) and (settings.progress_file or settings.progress_fields):
+        path = ws.resolve(settings.progress_file) or ((ws.out_dir(stage) or ws.root) / "progress.jsonl")
+        fields = settings.progress_fields
+        return lambda: read_jsonl_progress(path, fields, clock=clock)
     if source == "progress-jsonl":
         return lambda: read_train_progress(ws.resolve(getattr(cfg, "out", None)), clock=clock, run=run)
-    if source == "tensorboard":
+    if isinstance(settings, TensorboardSettings):
         if stage not in readers:
-            readers[stage] = TensorboardProgress(ws.resolve(cfg.progress_dir), tag=cfg.progress_tag or "",
-                                                 total=cfg.progress_total, total_tag=cfg.progress_total_tag,
-                                                 loss_tag=cfg.loss_tag, clock=clock)
+            readers[stage] = TensorboardProgress(ws.resolve(settings.progress_dir), tag=settings.progress_tag or "",
+                                                 total=settings.progress_total, total_tag=settings.progress_total_tag,
+                                                 loss_tag=settings.loss_tag, clock=clock)
         return readers[stage].read
-    if source == "log-regex" and cfg.progress_regex:
+    if isinstance(settings, LogRegexSettings) and settings.progress_regex:
         if stage not in readers:
-            readers[stage] = LogProgress(ws.log_path(stage), cfg.progress_regex, clock=clock)
+            readers[stage] = LogProgress(ws.log_path(stage), settings.progress_regex, clock=clock)
         return readers[stage].read
-    if source == "files":
-        return lambda: files_progress(files, cfg.files_total, clock)
+    if isinstance(settings, FilesSettings):
+        total = settings.files_total
+        return lambda: files_progress(files, total, clock)
     return None
 
 

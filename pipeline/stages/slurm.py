@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import SlurmConfig, StageConfig
+from pipeline.config import SlurmConfig, SlurmSettings, StageConfig
 
 SLURM_TIMEOUT_S = 30.0
 PENDING = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESV_DEL_HOLD"})
@@ -169,7 +169,7 @@ def job_name(run_id: str, stage: str, proc_id: int) -> str:
     return f"eagle3-{stage}-{run_id}-{proc_id}"
 
 
-def _command(argv: list[str], cfg: StageConfig) -> str:
+def _command(argv: list[str], cfg: SlurmSettings) -> str:
     """The script's command: `exec argv` on one node; on several, `srun` starts argv once per node, with
     torchrun's rendezvous taken from the allocation (c10d on the first node, the job id as its id)."""
     if cfg.nodes == 1:
@@ -186,20 +186,23 @@ def _command(argv: list[str], cfg: StageConfig) -> str:
             f"{shlex.join(head)} {rdzv} {shlex.join(rest)}")
 
 
-def batch_script(*, name: str, argv: list[str], cfg: StageConfig, slurm: SlurmConfig, log: Path, cwd: Path) -> str:
+def batch_script(*, name: str, argv: list[str], stage: StageConfig, slurm: SlurmConfig, log: Path, cwd: Path) -> str:
     """The generated batch script: the job's shape as #SBATCH lines, then the stage's command."""
-    opts = [f"--job-name={name}", f"--output={log}", "--open-mode=append", f"--chdir={cwd}", f"--nodes={cfg.nodes}",
-            "--ntasks-per-node=1", f"--cpus-per-task={cfg.cpus_per_task}"]
-    if cfg.gpus_per_node:
-        opts.append(f"--gres=gpu:{cfg.gpus_per_node}")
-    for flag, value in (("--mem", cfg.mem), ("--partition", slurm.partition), ("--account", slurm.account),
+    job = stage.executor
+    if not isinstance(job, SlurmSettings):
+        raise TypeError(f"{name}: a batch script for a stage whose executor is {job.kind!r}, not slurm")
+    opts = [f"--job-name={name}", f"--output={log}", "--open-mode=append", f"--chdir={cwd}", f"--nodes={job.nodes}",
+            "--ntasks-per-node=1", f"--cpus-per-task={job.cpus_per_task}"]
+    if job.gpus_per_node:
+        opts.append(f"--gres=gpu:{job.gpus_per_node}")
+    for flag, value in (("--mem", job.mem), ("--partition", slurm.partition), ("--account", slurm.account),
                         ("--qos", slurm.qos), ("--time", slurm.time)):
         if value:
             opts.append(f"{flag}={value}")
-    opts += [*slurm.extra_args, *cfg.slurm_args]
+    opts += [*slurm.extra_args, *job.slurm_args]
     lines = ["#!/bin/bash", f"# eagle3: the {name.split('-')[1]} stage as a Slurm job (generated; edits are overwritten)"]
     lines += [f"#SBATCH {o}" for o in opts]
-    lines += ["export PYTHONUNBUFFERED=1", _command(argv, cfg), ""]
+    lines += ["export PYTHONUNBUFFERED=1", _command(argv, job), ""]
     return "\n".join(lines)
 
 

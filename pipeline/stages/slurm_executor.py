@@ -78,7 +78,7 @@ class SlurmExecutor:
         cfg = ws.stage(stage)
         log = ws.log_path(stage)
         log.parent.mkdir(parents=True, exist_ok=True)
-        text = slurm.batch_script(name=_name(proc), argv=cfg.argv, cfg=cfg, slurm=ws.config.slurm, log=log,
+        text = slurm.batch_script(name=_name(proc), argv=cfg.argv, stage=cfg, slurm=ws.config.slurm, log=log,
                                   cwd=ws.resolve(cfg.cwd) or ws.root)
         script = slurm.write_script(ws.state_dir / "slurm", _name(proc), text)
         env = stage_env(ws, stage, run=proc.run_id)  # sbatch exports it to the job: ours without the Slack secrets

@@ -122,14 +122,14 @@ class Supervisor:
                              f"or stop it first with `eagle3 stop {stage}`")
         run_id = self.store.open_run()
         cfg = self.ws.for_run(run_id).stage(stage)  # `{run}` in its argv: this run's own place
-        argv, on_slurm = cfg.argv, cfg.executor == "slurm"
+        argv, on_slurm = cfg.argv, cfg.on_slurm
         with self.store.atomic():
             if only_if is not None and not only_if():
                 return None
             proc_id = self.store.insert_proc({
                 "run_id": run_id, "stage": stage, "state": str(StageState.QUEUED if on_slurm else StageState.RUNNING),
                 "argv": json.dumps(argv), "log": str(self.ws.for_run(run_id).log_path(stage)), "started_at": self.host.clock(),
-                "stop_requested": 0, "executor": cfg.executor, "restart_count": restart_count,
+                "stop_requested": 0, "executor": cfg.executor.kind, "restart_count": restart_count,
             })
             if on_slurm:  # the submission is recorded (by the job's name) before sbatch is run
                 self.store.update_proc(proc_id, job_name=job_name(run_id, stage, proc_id))

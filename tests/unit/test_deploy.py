@@ -12,7 +12,14 @@ import pytest
 import yaml
 
 from handlers.verbs import SUBCOMMANDS
-from pipeline.config import PLACEHOLDER, STAGE_NAMES, load_workspace
+from pipeline.config import (
+    PLACEHOLDER,
+    STAGE_NAMES,
+    FilesSettings,
+    SlurmSettings,
+    TensorboardSettings,
+    load_workspace,
+)
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SECRETS = {"SLACK_BOT_TOKEN", "SLACK_APP_TOKEN", "SLACK_SIGNING_SECRET"}
@@ -171,7 +178,8 @@ def test_the_slurm_example_passes_check_config_against_a_cluster_that_answers(tm
     cfg = tmp_path / "eagle3.toml"
     cfg.write_text(text)
     ws = load_workspace(cfg)
-    assert {ws.stage(s).executor for s in ("server", "extract", "train")} == {"slurm"} and ws.stage("train").nodes == 2
+    assert all(ws.stage(s).on_slurm for s in ("server", "extract", "train"))
+    assert isinstance(job := ws.stage("train").executor, SlurmSettings) and job.nodes == 2
     data = Path(ws.config.stages.extract.data)
     data.parent.mkdir(parents=True)
     data.write_text("")
@@ -186,7 +194,31 @@ def test_the_other_tools_examples_load_and_name_their_progress(name):
     """deploy/examples (issue 37): each stage of another tool says where its progress is and what done means."""
     ws = load_workspace(DEPLOY / "examples" / f"{name}.toml")
     extract, train = ws.stage("extract"), ws.stage("train")
-    assert extract.progress == "files" and extract.files_total and extract.files_suffix
-    assert train.progress == "tensorboard" and train.progress_dir and train.progress_tag and train.loss_tag
-    assert train.done_when in ("exit0", "exit0-and-total") and (train.done_when == "exit0" or train.progress_total)
+    assert isinstance(files := extract.progress, FilesSettings) and files.files_total and extract.files_suffix
+    assert isinstance(tb := train.progress, TensorboardSettings) and tb.progress_dir and tb.progress_tag and tb.loss_tag
+    assert train.done_when in ("exit0", "exit0-and-total") and (train.done_when == "exit0" or tb.progress_total)
     assert f"deploy/examples/{name}.toml" in (DEPLOY.parent / "docs" / "operator.md").read_text()
+
+
+@pytest.mark.parametrize("example", sorted(str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*.toml")))
+def test_every_example_loads_unchanged_its_owned_settings_read_by_their_components(example):
+    """A stage's progress and executor settings are models of their own (pipeline/config.py), gathered from the
+    stage's flat table: every example under deploy/ loads, each setting it writes reads back as written (the
+    stage's dump is the flat table again), and each owned setting lands in its component's model."""
+    import tomllib
+
+    raw = tomllib.loads((DEPLOY / example).read_text())
+    ws = load_workspace(DEPLOY / example)
+    for name, table in (raw.get("stages") or {}).items():
+        stage = ws.stage(name)
+        dumped = stage.model_dump()
+        assert {k: dumped[k] for k in table} == table, (example, name)
+        assert stage.progress.kind == table.get("progress", "auto")
+        assert stage.executor.kind == table.get("executor", "local") and stage.on_slurm == (
+            isinstance(stage.executor, SlurmSettings))
+        for key, value in table.items():
+            if key in ("progress", "executor"):
+                continue  # the kinds, above
+            owner = stage.progress if key in type(stage.progress).model_fields else \
+                stage.executor if key in type(stage.executor).model_fields else stage
+            assert getattr(owner, key) == value, (example, key)

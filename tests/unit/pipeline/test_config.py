@@ -18,6 +18,19 @@ from pipeline.templates import PRODUCTION_TEMPLATE
         ('[stages.server]\nargv = "python -m sglang"', "eagle3.toml: stages.server.argv: expected a list of strings"),
         ("[handoff]\nmax_failed_share = 2", "eagle3.toml: handoff.max_failed_share:"),
         ("x = ", "eagle3.toml: not valid TOML"),
+        # a stage's owned settings are named as the TOML writes them, flat in the stage's table
+        ('[stages.train]\nprogress = "log-regex"\nprogress_regex = "("', "eagle3.toml: stages.train.progress_regex: "
+         "not a valid regular expression"),
+        ('[stages.train]\nprogress = "tensorboard"', 'eagle3.toml: stages.train.progress: progress = "tensorboard" '
+         "needs progress_dir"),
+        ('[stages.train]\nexecutor = "slurm"\nnodes = 0', "eagle3.toml: stages.train.nodes: input should be greater"),
+        ('[stages.train]\nexecutor = "k8s"', "eagle3.toml: stages.train.executor: expected one of 'local', 'slurm', "
+         'got "k8s"'),
+        # a setting of another kind than the stage's would be ignored: refused, naming both
+        ('[stages.train]\nprogress_regex = "(?P<done>1)"', 'eagle3.toml: stages.train: progress_regex is a setting of '
+         'progress = "log-regex", and this stage\'s progress is "auto": set progress = "log-regex", or remove'),
+        ("[stages.train]\nnodes = 2", 'eagle3.toml: stages.train: nodes is a setting of executor = "slurm", and this '
+         'stage\'s executor is "local"'),
     ],
 )
 def test_bad_config_is_one_line_naming_key(text, expected):
@@ -29,13 +42,19 @@ def test_bad_config_is_one_line_naming_key(text, expected):
 
 
 def test_defaults_are_documented():
+    import typing
+
+    seen = []
+
     def walk(model):
+        seen.append(model.__name__)
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, Config.__mro__[1]):
-                walk(ann)
+            for ann in (field.annotation, *typing.get_args(field.annotation)):  # a union: each of its models
+                if isinstance(ann, type) and issubclass(ann, Config.__mro__[1]):
+                    walk(ann)
     walk(Config)
+    assert {"TensorboardSettings", "SlurmSettings", "AutoProgress"} <= set(seen)  # the owned settings, walked too
 
 
 def test_production_template_is_valid_and_has_placeholders(tmp_path):

@@ -14,7 +14,7 @@ from pipeline.stages import slurm
 
 
 def script(argv: list[str], **stage) -> str:
-    return slurm.batch_script(name="eagle3-train-r1-7", argv=argv, cfg=TrainStage(argv=argv, **stage),
+    return slurm.batch_script(name="eagle3-train-r1-7", argv=argv, stage=TrainStage(argv=argv, executor="slurm", **stage),
                               slurm=SlurmConfig(partition="gpu", account="ml", time="12:00:00", extra_args=["--exclusive"]),
                               log=Path("/srv/ws/.eagle3/logs/train.log"), cwd=Path("/srv/ws"))
 
