@@ -164,9 +164,11 @@ class RunStatus:
     @classmethod
     def from_json(cls, obj: dict) -> RunStatus:
         """A status as `to_json` wrote it; missing keys take their defaults."""
-        known = {f.name for f in fields(cls)} - {"stages"}
-        return cls(stages={n: StageStatus.from_json(st) for n, st in (obj.get("stages") or {}).items()},
-                   **{k: v for k, v in obj.items() if k in known and k != "stages"})
+        known = {f.name for f in fields(cls)} - {"stages", "handoff", "version"}
+        shown = obj.get("autostart")
+        step = HandoffStep(shown) if shown in {str(s) for s in HandoffStep} else None  # "off": none, or cancelled
+        return cls(stages={n: StageStatus.from_json(st) for n, st in (obj.get("stages") or {}).items()}, handoff=step,
+                   **{k: v for k, v in obj.items() if k in known})
 
 
 def _plain(value):

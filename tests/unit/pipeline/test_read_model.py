@@ -119,3 +119,6 @@ def test_the_status_json_keeps_each_branchs_keys_and_reads_back(tmp_path):
     ex = status.stages["extract"]
     assert ex.verdict is Verdict.DONE and ex.started and not ex.running and ex.processed == 10
     assert RunStatus.from_json(out).to_json() == out
+    armed = RunStatus.from_json({**out, "autostart": "waiting-for-completion"})
+    assert armed.handoff is HandoffStep.WAITING and armed.autostart_cancellable  # the typed step, from the JSON's
+    assert RunStatus.from_json(out).handoff is None and not RunStatus.from_json(out).autostart_cancellable
