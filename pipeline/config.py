@@ -154,14 +154,6 @@ class SlurmSettings(_Section):
 
 ExecutorSettings = Annotated[LocalSettings | SlurmSettings, Field(discriminator="kind")]
 
-# (the stage's key that chooses, its default, the models it chooses among)
-_OWNED: dict[str, tuple[str, tuple[type[_Section], ...]]] = {
-    "progress": ("auto", (AutoProgress, ManifestProgress, ProgressJsonlSettings, TensorboardSettings,
-                          LogRegexSettings, FilesSettings, NoProgress)),
-    "executor": ("local", (LocalSettings, SlurmSettings)),
-}
-
-
 def _settings_of(models: tuple[type[_Section], ...]) -> dict[str, list[str]]:
     """Each owned setting's name → the kinds that have it."""
     owners: dict[str, list[str]] = {}
@@ -170,6 +162,19 @@ def _settings_of(models: tuple[type[_Section], ...]) -> dict[str, list[str]]:
             if name != "kind":
                 owners.setdefault(name, []).append(model.model_fields["kind"].default)
     return owners
+
+
+def _kinds(*models: type[_Section]) -> tuple[set[str], dict[str, list[str]]]:
+    """(the kinds the models are chosen by, each owned setting → the kinds that have it), worked out once."""
+    return {m.model_fields["kind"].default for m in models}, _settings_of(models)
+
+
+# the stage's key that chooses → (its default, the kinds it chooses among, each owned setting's kinds)
+_OWNED: dict[str, tuple[str, set[str], dict[str, list[str]]]] = {
+    "progress": ("auto", *_kinds(AutoProgress, ManifestProgress, ProgressJsonlSettings, TensorboardSettings,
+                                 LogRegexSettings, FilesSettings, NoProgress)),
+    "executor": ("local", *_kinds(LocalSettings, SlurmSettings)),
+}
 
 
 class StageConfig(_Section):
@@ -210,18 +215,17 @@ class StageConfig(_Section):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        for key, (default, models) in _OWNED.items():
+        for key, (default, kinds, owners) in _OWNED.items():
             chosen = data.get(key, default)
-            if isinstance(chosen, dict) or isinstance(chosen, BaseModel):
+            if isinstance(chosen, (dict, BaseModel)):
                 continue  # already gathered (a model_copy, a model_validate of a dump)
-            owners = _settings_of(models)
             mine = {name: data.pop(name) for name in list(data) if name in owners}
-            if isinstance(chosen, str) and chosen in {m.model_fields["kind"].default for m in models}:
+            if isinstance(chosen, str) and chosen in kinds:
                 for name in mine:
                     if chosen not in owners[name]:
-                        kinds = " or ".join(f'"{k}"' for k in owners[name] if k != "auto")
-                        raise ValueError(f'{name} is a setting of {key} = {kinds}, and this stage\'s {key} is '
-                                         f'"{chosen}": set {key} = {kinds.split(" or ")[0]}, or remove {name}')
+                        theirs = [f'"{k}"' for k in owners[name] if k != "auto"]
+                        raise ValueError(f'{name} is a setting of {key} = {" or ".join(theirs)}, and this stage\'s '
+                                         f'{key} is "{chosen}": set {key} = {theirs[0]}, or remove {name}')
             data[key] = {"kind": chosen, **mine}
         return data
 
