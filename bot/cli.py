@@ -243,6 +243,21 @@ def cmd_why(args) -> int:
     return 0
 
 
+def probe_arguments(parser: argparse.ArgumentParser) -> None:
+    """`probe`'s flags live with the probe (`python -m pipeline.observe.probes.remote`, the same program)."""
+    from pipeline.observe.probes.remote import add_arguments
+    add_arguments(parser)
+
+
+@command("probe", "internal: a Slurm job's processes, GPUs and files on this node, as one JSON line",
+         example="(run by the monitor on a job's nodes through `srun --overlap`, not by hand)",
+         args=probe_arguments)
+def cmd_probe(args) -> int:
+    from pipeline.observe.probes.remote import main
+    return main(args)
+
+
+
 @command("run-stage", "internal: the detached runner that owns one stage process",
          example="(started by `eagle3 start`, not by hand)",
          args=(arg("--stage", required=True, choices=STAGE_NAMES),

@@ -8,6 +8,7 @@ from pipeline.config import STAGE_NAMES, Workspace
 from pipeline.errors import UserError
 from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.regenerate import complete as regenerate_complete
+from pipeline.stages.slurm_executor import interrupted, interruption
 from pipeline.stages.supervisor import Supervisor
 from pipeline.states import ARMED, WAITING, StageState, backoff_due, record
 from pipeline.store import KV, Store
@@ -70,7 +71,13 @@ class Automation:
         for stage in STAGE_NAMES:
             cfg = self.ws.stage(stage)
             proc = self.store.latest_proc(stage)
-            if cfg.restart != "on-failure" or not proc or proc.stop_requested or proc.restart_given_up:
+            if not proc or proc.stop_requested or proc.restart_given_up:
+                continue
+            why = interrupted(self.ws, proc) if proc.has_ended else None
+            if why:
+                self._resubmit(proc, why)
+                continue
+            if cfg.restart != "on-failure":
                 continue
             vanished = proc.state == StageState.UNKNOWN and proc.ended_at is not None
             failed = proc.state == StageState.EXITED and proc.exit_code != 0
@@ -97,6 +104,25 @@ class Automation:
                 continue
             self.store.add_event(kind="stage-restart", run_id=proc.run_id, stage=stage, data={
                 "attempt": count + 1, "limit": cfg.max_restarts, "reason": proc.reason, "pid": new.pid})
+
+    def _resubmit(self, proc, why: str) -> None:
+        """A Slurm job ended by its time limit, a preemption or its node (not by its stage) is submitted again at
+        once, whatever the restart policy, up to max_restarts with Slurm's own requeues of it; it resumes from its
+        checkpoint. Said once, with the new job's id."""
+        cfg = self.ws.stage(proc.stage)
+        count = (proc.restart_count or 0) + (proc.job_restarts or 0)
+        if count >= cfg.max_restarts:
+            self._give_up(proc, f"{proc.stage} {why} (Slurm job {proc.job_id}) and has been requeued or restarted "
+                                f"{count} time(s), its max_restarts: not submitted again")
+            return
+        try:
+            new = self.sup.start(proc.stage, restart_count=count + 1)
+        except UserError as exc:
+            self._give_up(proc, f"{proc.stage} {why} and cannot be submitted again: {exc}")
+            return
+        data = interruption(self.ws, self.store, proc, why=why, attempt=count + 1, limit=cfg.max_restarts,
+                            job=new.job_id, how="resubmitted")
+        self.store.add_event(kind="stage-requeued", run_id=proc.run_id, stage=proc.stage, data=data)
 
     def _give_up(self, proc, reason: str) -> None:
         """The restart policy stops restarting this process's line (said once)."""

@@ -150,6 +150,12 @@ class SlurmSettings(_Section):
     mem: str | None = Field(default=None, description='Slurm: memory per node, e.g. "64G" (unset: the partition\'s default).')
     slurm_args: list[str] = Field(default_factory=list, description='Slurm: more sbatch options for this stage only, '
                                   'e.g. ["--nodelist=gpu-017"] to put the server and extraction on one node.')
+    limit_signal_s: int = Field(default=300, ge=0, description="Slurm: seconds before the job's time limit at which "
+                                "the stage is told to stop with SIGTERM (it saves a checkpoint), by Slurm's "
+                                "`--signal=B:USR1@N` (Slurm may send it up to a minute early); 0: no warning.")
+    requeue: bool = Field(default=True, description="Slurm: after its time limit, a preemption or a node failure the "
+                          "job is requeued (`--requeue`) or submitted again, up to max_restarts, and resumes from "
+                          "its checkpoint.")
 
 
 ExecutorSettings = Annotated[LocalSettings | SlurmSettings, Field(discriminator="kind")]
@@ -352,6 +358,9 @@ class MonitorConfig(_Section):
                                  "(the deadline is the larger of this and 3× the stage's own longest usual gap).")
     probe_budget_s: float = Field(default=5.0, gt=0, description="Time a tick's probes may take; slower readings are unknown.")
     fake_gpus: int = Field(default=0, ge=0, description="Use this many scripted fake GPUs instead of NVML (tests, demo).")
+    remote_every_s: float = Field(default=10.0, gt=0, description="Slurm jobs on other nodes: seconds between readings "
+                                  "of their processes and GPUs on those nodes (`srun --overlap` launches a step "
+                                  "each time); in between, the last reading is shown with its age.")
 
 
 class HandoffConfig(_Section):

@@ -52,6 +52,13 @@ class StageProc:
     job_name: str | None = None
     job_id: str | None = None
     job_host: str | None = None
+    # what the cluster last said of the job: its JobState, its NodeList, Slurm's requeues of it (Restarts), its time
+    # limit, and when that limit ends it (while it runs)
+    job_state: str | None = None
+    job_nodes: str | None = None
+    job_restarts: int | None = None
+    job_limit_s: float | None = None
+    job_end_at: float | None = None
     # the restart policy's state (on-failure stages): restarts before this process in its line of automatic
     # restarts (a start by hand begins a new line), when it may be restarted after dying (its backoff), and
     # whether the policy gave up (its limit reached)

@@ -96,6 +96,17 @@ def m007_restart_state(db: Database) -> None:
     db.table("stage_procs").add_column("restart_given_up", int)
 
 
+@migrations()
+def m008_job_follow(db: Database) -> None:
+    """What the cluster last said of a Slurm job: its state (an interrupted end is told from the stage's own), its
+    nodes, how often Slurm requeued it, and when its time limit ends it."""
+    db.table("stage_procs").add_column("job_state", str)
+    db.table("stage_procs").add_column("job_nodes", str)
+    db.table("stage_procs").add_column("job_restarts", int)
+    db.table("stage_procs").add_column("job_limit_s", float)
+    db.table("stage_procs").add_column("job_end_at", float)
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")

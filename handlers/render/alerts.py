@@ -75,6 +75,8 @@ def _event_message(event: dict, *, oncall: list[str], patterns: Sequence[str] = 
         return "warning", f":warning:{on} {d['reason']}", None
     if kind == "stage-restart":
         return "restart", f"{stage} restarted (attempt {d['attempt']} of {d['limit']}) after: {d['reason']}", "run"
+    if kind == "stage-requeued":
+        return "restart", requeued_text(stage, d), "run"
     if kind == "reminder":
         stored = {s: StoredVerdict.from_json(v) for s, v in (d.get("status") or {}).items()}
         parts = [f"{s}: {v.verdict}" + (f" {v.progress_pct:.1f} %" if v.progress_pct is not None else "")
@@ -84,6 +86,17 @@ def _event_message(event: dict, *, oncall: list[str], patterns: Sequence[str] = 
             f"checking back as asked by {by}"
         return "reminder", f"{who}{on}: " + ("; ".join(parts) or "no stage observed yet"), None
     return None
+
+
+def requeued_text(stage: str | None, d: dict) -> str:
+    """"train reached its 4h time limit at step 12,400; requeued as job 8812 (restart 1 of 3), resumes from
+    step 12,400"."""
+    at = f" at step {d['step']:,}" if isinstance(d.get("step"), int) else ""
+    job = (f"requeued as job {d['job_id']}" if d.get("how") == "resubmitted" else
+           f"requeued by Slurm (job {d['job_id']})")
+    resume = (f", resumes from step {d['resume_step']:,}" if isinstance(d.get("resume_step"), int) else
+              ", starts again from its beginning" if stage == "train" else ", resumes where its output stands")
+    return f":repeat: {stage} {d['why']}{at}; {job} (restart {d['attempt']} of {d['limit']}){resume}"
 
 
 _AGO = re.compile(r"\b(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)? ago\b")

@@ -19,6 +19,7 @@ from pipeline.errors import UserError
 from pipeline.handoff import completion
 from pipeline.observe.done import finished
 from pipeline.stages.host import port_free
+from pipeline.stages.slurm_executor import interrupted
 from pipeline.stages.supervisor import NO_RUNNER, STOP_GRACE_S, Supervisor
 from pipeline.states import (  # the handoff's steps and edges live on the floor, beside StageProc
     ARMED,
@@ -283,6 +284,8 @@ class Handoff:
         if proc.stop_requested and restarting.get("of") == proc.id and \
                 self.clock() - restarting.get("t", 0) < RESTART_WAIT_S:
             return  # a restart by hand: the next tick follows the process it starts
+        if interrupted(self.ws, proc) and not proc.restart_given_up:
+            return  # its time limit, a preemption or its node: the restart policy submits it again next tick
         if proc.stop_requested:
             self._set(CANCELLED, f"training stopped on request ({proc.reason})")
         elif proc.state == StageState.EXITED and proc.exit_code == 0:

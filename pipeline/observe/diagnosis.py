@@ -254,8 +254,10 @@ class Diagnoser:
         hung = [g for g in obs.get("gpus") or [] if isinstance(g, dict) and gpu_pinned_low_power(g)]
         if hung:
             ev.append(f"GPUs {gpu_indices(hung)} pinned at 100 % at low power: a collective hang?")
-        if (obs.get("process") or {}).get("zombie"):
+        process = obs.get("process") or {}
+        if process.get("zombie"):
             ev.append("the process is a zombie")
+        ev += _where_read(process)
         running = self._running_requests(obs)
         if running and self._gpus_idle(obs) and a and b:
             ev.append(f"{running} request(s) 'running' on a healthy server but none completed for {fmt_s(b.t - a.t)} "
@@ -322,6 +324,9 @@ class Diagnoser:
         if process.get("stop_requested"):
             how = "" if code is None else (f" (signal {-code})" if code < 0 else f" (exit {code})")
             return self._base(t, prog, verdict="stopped", reasons=(f"stopped on request{how}",))
+        if process.get("interrupted"):  # a Slurm job's time limit, preemption or node: it is submitted again
+            return self._base(t, prog, verdict="stopped", reasons=(
+                f"{process['interrupted']}: Slurm's job ended, not the stage; it is submitted again and resumes",))
         if code is None:
             return self._base(t, prog, verdict="dead", reasons=("the process vanished; exit status unknown",))
         if code != 0:
@@ -438,3 +443,19 @@ def diagnose(history: list[dict], *, stage: str | None = None, policy: Policy | 
     for obs in history:
         verdict = d.feed(obs)
     return verdict
+
+
+def _where_read(process: dict) -> list[str]:
+    """Stopped members (SIGSTOP, a debugger: they take no CPU and write nothing), node by node for a Slurm job,
+    and where and how long ago a remote job's processes were read."""
+    remote = process.get("remote") if isinstance(process.get("remote"), dict) else None
+    nodes = (remote or {}).get("nodes") or {}
+    out = []
+    if nodes:
+        out += [f"on {node}: {n.get('stopped')} of {n.get('members')} process(es) stopped (state T: SIGSTOP, a debugger)"
+                for node, n in nodes.items() if n.get("stopped")]
+    elif process.get("stopped"):
+        out.append(f"{process['stopped']} process(es) stopped (state T: SIGSTOP, a debugger)")
+    if remote:
+        out.append(f"processes read through {remote.get('via')}, {fmt_s(remote.get('age_s') or 0)} ago")
+    return out

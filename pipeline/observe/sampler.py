@@ -20,10 +20,12 @@ from pipeline.observe.done import evidence, progress_call
 from pipeline.observe.probes import Reading, unknown
 from pipeline.observe.probes.disk import projected_need, read_disk
 from pipeline.observe.probes.files import FileScanner
-from pipeline.observe.probes.gpu import FakeNvml, GpuProbe, RealNvml
+from pipeline.observe.probes.gpu import GpuProbe, nvml_or_fake
 from pipeline.observe.probes.process import group_processes, read_process
+from pipeline.observe.probes.remote import RemoteProbe
 from pipeline.observe.probes.server import ServerProbe
 from pipeline.stages.slurm import is_local_host
+from pipeline.stages.slurm_executor import interrupted
 from pipeline.stages.supervisor import Supervisor
 from pipeline.states import StageProc, StageState
 from pipeline.store import KV, Store
@@ -32,16 +34,9 @@ from pipeline.verdict import Policy, StoredVerdict, VerdictRecord, fmt_bytes
 HISTORY_S = 7200.0  # history replayed into a fresh diagnoser after a restart
 
 
-def idle_fake_gpus(count: int):
-    """A FakeNvml script: `count` idle GPUs (what the demo and tests use by default)."""
-    return lambda tick: [{"util": 0.0, "mem_used_mb": 1000.0, "power_w": 60.0, "power_limit_w": 700.0,
-                          "energy_mj": 60_000.0 * tick, "pids": []} for _ in range(count)]
-
-
 def make_gpu_probe(ws: Workspace, *, clock=time.time) -> GpuProbe:
     """NVML, or scripted idle fake GPUs when `[monitor] fake_gpus` is set (tests, demo)."""
-    fake = ws.config.monitor.fake_gpus
-    return GpuProbe(backend_factory=(lambda: FakeNvml(idle_fake_gpus(fake))) if fake else RealNvml, clock=clock)
+    return nvml_or_fake(ws.config.monitor.fake_gpus, clock=clock)
 
 
 class _Budget:
@@ -82,6 +77,7 @@ class Sampler:
         self.policy = Policy(stall_floor_s=cfg.monitor.stall_floor_s, max_failed_share=cfg.handoff.max_failed_share)
         self.budget = _Budget()
         self.server = ServerProbe(cfg.stages.server.url, clock=clock)
+        self.remote = RemoteProbe(every_s=cfg.monitor.remote_every_s, fake_gpus=cfg.monitor.fake_gpus, clock=clock)
         self.scanners: dict[str, tuple[Path, FileScanner]] = {}
         self.readers: dict = {}  # incremental progress readers (a log tail, event files), one per stage
         self.reader_runs: dict[str, str | None] = {}  # the run each stage's readers were made for
@@ -149,10 +145,16 @@ class Sampler:
             calls["server"] = self.server.read
         bound = {stage: self._run_of(stage, row) for stage, row in active.items()}
         for stage, row in active.items():
-            calls[f"{stage}.process"] = functools.partial(read_process, row, clock=self.clock)
             fdir = self._files_dir(bound[stage], stage)
+            if row.is_job and row.state == StageState.RUNNING and row.job_id:  # read on the job's own nodes
+                calls[f"{stage}.process"] = functools.partial(
+                    self.remote.read, row, files_dir=str(fdir) if fdir else None,
+                    suffix=bound[stage].stage(stage).files_suffix)
+            else:
+                calls[f"{stage}.process"] = functools.partial(read_process, row, clock=self.clock)
             if fdir is not None:
                 calls[f"{stage}.files"] = self._scanner(stage, fdir, bound[stage]).scan
+        self.remote.forget({r.job_id for r in active.values() if r.job_id})
         readings = self.budget.gather(calls, self.ws.config.monitor.probe_budget_s, self.clock)
         second = {}
         for stage in active:
@@ -170,17 +172,20 @@ class Sampler:
         obs: dict = {"t": now, "stage": stage}
         sections = {"process": f"{stage}.process", "progress": f"{stage}.progress", "files": f"{stage}.files",
                     "gpus": "gpus", "server": "server" if stage in ("server", "regenerate", "extract") else None}
+        remote = _remote_parts(readings.get(f"{stage}.process"))
         for section, key in sections.items():
             reading = readings.get(key) if key else None
             if reading is None:
                 continue
-            if section == "gpus" and row.executor == "slurm" and is_local_host(row.job_host) is not True:
-                where = f"runs on {row.job_host}" if row.job_host else "has no node yet"
-                reading = Reading(t=reading.t, value=None, unknown=f"remote: Slurm job {row.job_id} {where}; "
-                                                                   "NVML reads this host's GPUs only")
+            if section == "gpus" and row.is_job and is_local_host(row.job_nodes or row.job_host) is not True:
+                where = f"runs on {row.job_nodes or row.job_host}" if row.job_host else "has no node yet"
+                reading = Reading(t=reading.t, value=remote[0], unknown=None if remote[0] is not None else (
+                    f"remote: Slurm job {row.job_id} {where}; " + (remote[1] or "its nodes have not been read")))
             obs[section] = reading.value
             if reading.unknown:
                 obs.setdefault("unknown", {})[section] = reading.unknown
+        if row.has_ended and isinstance(obs.get("process"), dict) and (why := interrupted(self.ws, row)):
+            obs["process"]["interrupted"] = why
         if stage in ("extract", "train"):
             obs["disk"] = self._disk(stage, obs, self.ws.for_run(row.run_id))
         final = row.has_ended
@@ -251,6 +256,17 @@ class Sampler:
         if now - self.last_thin > 3600:
             self.store.thin_observations(now=now)
             self.last_thin = now
+
+
+def _remote_parts(reading: Reading | None) -> tuple[list | None, str | None]:
+    """A Slurm job's GPUs as its nodes read them (taken out of its process section), or why they are unknown."""
+    value = reading.value if reading else None
+    if not isinstance(value, dict) or "remote_gpus" not in value:
+        return None, reading.unknown if reading else None
+    gpus = value.pop("remote_gpus")
+    nodes = value.pop("remote_nodes", {})
+    why = "; ".join(f"{n}: {u['gpus']}" for n, u in nodes.items() if (u.get("unknown") or {}).get("gpus"))
+    return (gpus or None), (why or None)
 
 
 def _value(reading: Reading | None):

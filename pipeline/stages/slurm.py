@@ -25,6 +25,11 @@ ACTIVE = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "STAGE_OUT", "RESIZI
 ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                    "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
 TORCHRUN = ("torchrun", "torch.distributed.run")
+# Ends that are not the stage's: the job is requeued or submitted again and resumes from its checkpoint
+INTERRUPTED = frozenset({"TIMEOUT", "PREEMPTED", "NODE_FAIL"})
+# The batch script's exit status when the stage stopped at Slurm's time-limit warning and the job was not requeued
+LIMIT_EXIT = 75
+LIMIT_MARK = "eagle3: Slurm's warning before the job's time limit"  # a line of the stage's log
 
 
 class SlurmError(Exception):
@@ -41,6 +46,10 @@ class JobInfo:
     signal: int | None = None
     known: bool = True  # False: the cluster no longer knows the job (or did not answer)
     host: str | None = None  # the node running the batch script, once it runs
+    nodes: str | None = None  # Slurm's NodeList ("gpu-[017-018]"), once it runs
+    restarts: int = 0  # how often Slurm requeued it (its Restarts)
+    limit_s: float | None = None  # its time limit (None: unlimited or unknown)
+    end_at: float | None = None  # when its time limit ends it (EndTime), while it runs
 
     @property
     def pending(self) -> bool:
@@ -85,6 +94,25 @@ def _run(argv: list[str], *, env: dict | None = None) -> subprocess.CompletedPro
         raise SlurmError(f"cannot run `{argv[0]}`: {exc.strerror}") from None
 
 
+def duration_s(text: str | None) -> float | None:
+    """Slurm's [days-]hours:minutes:seconds (or minutes:seconds) as seconds; None for UNLIMITED or unreadable."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", (text or "").strip())
+    if not m:
+        return None
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def _epoch(text: str | None) -> float | None:
+    """Slurm's local ISO time (EndTime=2026-12-06T06:40:32) as epoch seconds."""
+    from datetime import datetime
+
+    try:
+        return datetime.strptime((text or "").strip(), "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return None
+
+
 def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
@@ -119,11 +147,15 @@ def query(job_id: str) -> JobInfo:
     if r.returncode == 0 and "JobState=" in r.stdout:
         fields = dict(re.findall(r"(\w+)=(\S*)", r.stdout))
         code, sig = _exit(fields.get("ExitCode"))
-        host = fields.get("BatchHost")
+        host, nodes = fields.get("BatchHost"), fields.get("NodeList")
         reason = fields.get("Reason")  # scontrol writes "Reason=None" for a job with no reason to wait
-        return JobInfo(state=fields.get("JobState", ""), reason=None if reason in (None, "", "None") else reason,
-                       exit_code=code, signal=sig,
-                       host=host if host and host != "(null)" else None)
+        state = fields.get("JobState", "")
+        return JobInfo(state=state, reason=None if reason in (None, "", "None") else reason,
+                       exit_code=code, signal=sig, host=host if host and host != "(null)" else None,
+                       nodes=nodes if nodes and nodes != "(null)" else None,
+                       restarts=int(fields.get("Restarts") or 0) if (fields.get("Restarts") or "").isdigit() else 0,
+                       limit_s=duration_s(fields.get("TimeLimit")),
+                       end_at=_epoch(fields.get("EndTime")) if state in ACTIVE else None)
     why = _first_line(r.stderr) or "no answer"
     try:
         a = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Reason"])
@@ -155,6 +187,28 @@ def submit(script: Path, *, env: dict[str, str]) -> str:
     return job
 
 
+def node_state(node: str) -> str | None:
+    """A node's state and Slurm's reason for it ("DOWN+NOT_RESPONDING (Not responding)"); None if unknown."""
+    try:
+        r = _run(["scontrol", "show", "node", "-o", node])
+    except SlurmError:
+        return None
+    fields = dict(re.findall(r"(\w+)=(\S*)", r.stdout))
+    if r.returncode or "State" not in fields:
+        return None
+    why = re.search(r"\bReason=(.*?)(?: \[|$)", r.stdout)
+    return fields["State"] + (f" ({why.group(1).strip()})" if why and why.group(1).strip() else "")
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Slurm's compressed node list expanded (`scontrol show hostnames`); [] when it cannot be read."""
+    try:
+        r = _run(["scontrol", "show", "hostnames", nodelist])
+    except SlurmError:
+        return []
+    return [line.strip() for line in r.stdout.splitlines() if line.strip()] if r.returncode == 0 else []
+
+
 def cancel(job_id: str, *, signal: str | None = None) -> None:
     """`scancel` (with `--signal=SIG --full`: the batch script as well as its steps). Never raises."""
     argv = ["scancel", job_id] if signal is None else ["scancel", f"--signal={signal}", "--full", job_id]
@@ -169,21 +223,48 @@ def job_name(run_id: str, stage: str, proc_id: int) -> str:
     return f"eagle3-{stage}-{run_id}-{proc_id}"
 
 
-def _command(argv: list[str], cfg: SlurmSettings) -> str:
-    """The script's command: `exec argv` on one node; on several, `srun` starts argv once per node, with
-    torchrun's rendezvous taken from the allocation (c10d on the first node, the job id as its id)."""
+def _command(argv: list[str], cfg: SlurmSettings) -> tuple[str, str]:
+    """(lines before it, the script's command): argv on one node; on several, `srun` starts argv once per
+    node, with torchrun's rendezvous taken from the allocation (c10d on the first node, the job id as its id)."""
     if cfg.nodes == 1:
-        return "exec " + shlex.join(argv)
+        return "", shlex.join(argv)
     i = next((k for k, a in enumerate(argv) if a.endswith(TORCHRUN[0]) or a == TORCHRUN[1]), None)
     if i is None:
-        return f"exec srun --nodes={cfg.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 " + shlex.join(argv)
+        return "", f"srun --nodes={cfg.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 " + shlex.join(argv)
     head, rest = argv[: i + 1], [a for a in argv[i + 1:] if a != "--standalone"]
     rdzv = ('--nnodes="$SLURM_NNODES" --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d '
             '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"')
     return ('MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
-            "MASTER_PORT=${MASTER_PORT:-29500}\n"
-            f"exec srun --nodes={cfg.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+            "MASTER_PORT=${MASTER_PORT:-29500}\n",
+            f"srun --nodes={cfg.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
             f"{shlex.join(head)} {rdzv} {shlex.join(rest)}")
+
+
+def _wrapped(command: str, *, requeue_below: int | None) -> str:
+    """The command run under a shell that stays, so that Slurm's warning before the time limit (SIGUSR1 to
+    the batch shell alone, `--signal=B:USR1@N`) reaches the stage as the SIGTERM it saves a checkpoint on.
+    After that warning the job requeues itself (`scontrol requeue`: the same job id, started again from its
+    checkpoint) while its restarts are below `requeue_below`; else it exits LIMIT_EXIT, an interruption the
+    executor submits again (or names). A TERM to the batch shell (scancel --full, Slurm at the limit) reaches
+    every process of the job already: the shell keeps waiting for the stage to finish its checkpoint."""
+    requeue = "" if requeue_below is None else (
+        f'if [ -n "$eagle3_limit" ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {requeue_below} ]; then\n'
+        '    echo "eagle3: the stage stopped (exit status $eagle3_code); requeueing job $SLURM_JOB_ID, restart '
+        '$(( ${SLURM_RESTART_COUNT:-0} + 1 ))"\n'
+        '    scontrol requeue "$SLURM_JOB_ID" && sleep 60\n'
+        "fi\n")
+    return (
+        "eagle3_limit=\n"
+        f'eagle3_on_limit() {{ eagle3_limit=1; echo "{LIMIT_MARK} (SIGUSR1): stopping the stage with SIGTERM"; '
+        'kill -TERM "$eagle3_child" 2>/dev/null; }\n'
+        "trap eagle3_on_limit USR1\n"
+        "trap ':' TERM\n"
+        f"{command} &\n"
+        "eagle3_child=$!\n"
+        'while :; do wait "$eagle3_child"; eagle3_code=$?; kill -0 "$eagle3_child" 2>/dev/null || break; done\n'
+        + requeue +
+        f'[ -n "$eagle3_limit" ] && exit {LIMIT_EXIT}\n'
+        'exit "$eagle3_code"')
 
 
 def batch_script(*, name: str, argv: list[str], stage: StageConfig, slurm: SlurmConfig, log: Path, cwd: Path) -> str:
@@ -199,10 +280,15 @@ def batch_script(*, name: str, argv: list[str], stage: StageConfig, slurm: Slurm
                         ("--qos", slurm.qos), ("--time", slurm.time)):
         if value:
             opts.append(f"{flag}={value}")
+    if job.limit_signal_s:
+        opts.append(f"--signal=B:USR1@{job.limit_signal_s}")
+    opts.append("--requeue" if job.requeue else "--no-requeue")
     opts += [*slurm.extra_args, *job.slurm_args]
     lines = ["#!/bin/bash", f"# eagle3: the {name.split('-')[1]} stage as a Slurm job (generated; edits are overwritten)"]
     lines += [f"#SBATCH {o}" for o in opts]
-    lines += ["export PYTHONUNBUFFERED=1", _command(argv, job), ""]
+    before, command = _command(argv, job)
+    lines += ["export PYTHONUNBUFFERED=1", before + _wrapped(command, requeue_below=stage.max_restarts
+                                                             if job.requeue else None), ""]
     return "\n".join(lines)
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import Workspace
+from pipeline.config import SlurmSettings, Workspace
 from pipeline.errors import StageError
 from pipeline.stages import slurm
 from pipeline.stages.host import StopResult, stage_env
-from pipeline.stages.logfile import rotate_in_place
+from pipeline.stages.logfile import rotate_in_place, tail_lines
 from pipeline.states import StageProc, StageState, close_run_after_training, record, transition
 from pipeline.store import Store
+from pipeline.train.outdir import named_latest
+from pipeline.verdict import fmt_s
 
 SUBMIT_WINDOW_S = 60.0  # a job row with no id and no job of its name after this was never submitted
 JOB_POLL_S = 0.5
@@ -49,27 +51,69 @@ class SlurmExecutor:
                                       "did not reach the cluster)")
                 return
         info = slurm.query(proc.job_id or "")
+        if info.known and info.restarts > (proc.job_restarts or 0) and not self._requeued(proc, info):
+            return  # past its restart limit: cancelled, and closed once Slurm reports it ended
         if not info.known:
             transition(self.store, proc, StageState.UNKNOWN, reason=info.reason or "the cluster does not answer")
         elif info.pending:
-            # Slurm's reason changes while the job waits (None → Priority → Resources)
-            transition(self.store, proc, StageState.QUEUED,
-                       reason=f"queued: Slurm job {proc.job_id} is {info.state} ({info.reason or 'waiting to be scheduled'})")
+            # Slurm's reason changes while the job waits (None → Priority → Resources → BeginTime after a requeue)
+            again = f", requeued {info.restarts}×" if info.restarts else ""
+            transition(self.store, proc, StageState.QUEUED, reason=f"queued: Slurm job {proc.job_id} is {info.state} "
+                                                                   f"({info.reason or 'waiting to be scheduled'}{again})")
         elif info.active:
-            if info.host and proc.job_host != info.host:
-                record(self.store, proc, job_host=info.host)
+            seen = {"job_host": info.host, "job_nodes": info.nodes, "job_state": info.state,
+                    "job_limit_s": info.limit_s, "job_end_at": info.end_at}
+            changed = {k: v for k, v in seen.items() if v is not None and getattr(proc, k) != v}
+            if changed:
+                record(self.store, proc, **changed)
             transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc.job_id} is {info.state}")
             state = self.ws.config.state  # the job appends to the stage's log; it is rotated here, as the runner does
             rotate_in_place(Path(proc.log or self.ws.log_path(proc.stage)), max_bytes=state.log_max_bytes,
                             keep=state.log_keep)
         elif info.ended:
             target = StageState.STOPPED if proc.stop_requested else StageState.EXITED
-            transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code,
+            transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code, job_state=info.state,
                        signal=info.signal, reason=info.describe_stop() if proc.stop_requested else info.describe())
             close_run_after_training(self.store, proc, target)
         else:
             transition(self.store, proc, StageState.UNKNOWN, reason=f"Slurm job {proc.job_id} is in state "
                                                                     f"{info.state or '?'}")
+
+    def _requeued(self, proc: StageProc, info: slurm.JobInfo) -> bool:
+        """Slurm requeued the job (its restarts went up): after the stage stopped at the time-limit warning (the
+        batch script requeues itself), a node failure or a preemption. Said once per requeue; past the stage's
+        max_restarts the job is cancelled instead (False)."""
+        cfg = self.ws.stage(proc.stage)
+        limit = cfg.max_restarts
+        if info.restarts > limit:
+            slurm.cancel(proc.job_id or "")
+            record(self.store, proc, job_restarts=info.restarts, restart_given_up=1)
+            self.store.add_event(kind="restart-limit", run_id=proc.run_id, stage=proc.stage, data={
+                "reason": f"{proc.stage}: Slurm requeued job {proc.job_id} a {info.restarts}th time, past max_restarts "
+                          f"= {limit} ({self._why(proc, info.restarts)}): cancelled"})
+            return False
+        data = interruption(self.ws, self.store, proc, why=self._why(proc, info.restarts), attempt=info.restarts,
+                            limit=limit, job=proc.job_id, how="requeued")
+        with self.store.atomic():
+            record(self.store, proc, job_restarts=info.restarts)
+            self.store.add_event(kind="stage-requeued", run_id=proc.run_id, stage=proc.stage, data=data)
+        return True
+
+    def _why(self, proc: StageProc, restart: int) -> str:
+        """What ended the job's last allocation: its time limit (the batch script said it requeued itself), a node
+        Slurm now reports down, or neither (a preemption, `scontrol requeue`)."""
+        try:
+            said = any(f"requeueing job {proc.job_id}, restart {restart}" in line
+                       for line in tail_lines(Path(proc.log or self.ws.log_path(proc.stage)), 200))
+        except OSError:
+            said = False
+        if said:
+            return f"reached its {fmt_s(proc.job_limit_s)} time limit" if proc.job_limit_s else "reached its time limit"
+        for node in slurm.hostnames(proc.job_nodes or proc.job_host or "") if (proc.job_nodes or proc.job_host) else []:
+            state = slurm.node_state(node)
+            if state and any(w in state for w in ("DOWN", "FAIL", "NOT_RESPONDING")):
+                return f"lost node {node} ({state})"
+        return "was requeued by Slurm (a preemption, or `scontrol requeue`)"
 
     def submit(self, stage: str, proc_id: int) -> StageProc:
         """sbatch the stage's generated script; the row gets the job id, then the job's state."""
@@ -125,6 +169,38 @@ class SlurmExecutor:
             if self.host.clock() >= deadline:
                 return False
             self.host.sleep(JOB_POLL_S)
+
+
+def interrupted(ws: Workspace, proc: StageProc) -> str | None:
+    """Why a Slurm job that ended was interrupted rather than ended by its stage (its time limit, a preemption,
+    its node), when the stage allows a requeue; None otherwise."""
+    job = ws.stage(proc.stage).executor
+    if not proc.is_job or not isinstance(job, SlurmSettings) or not job.requeue or proc.stop_requested:
+        return None
+    limit = f"its {fmt_s(proc.job_limit_s)} time limit" if proc.job_limit_s else "its time limit"
+    if proc.job_state == "TIMEOUT":
+        return f"reached {limit}"
+    if proc.job_state == "PREEMPTED":
+        return "was preempted"
+    if proc.job_state == "NODE_FAIL":
+        return f"lost its node{'s' if ',' in (proc.job_nodes or '') or '[' in (proc.job_nodes or '') else ''} " \
+               f"{proc.job_nodes or proc.job_host or ''} (NODE_FAIL)".replace("  ", " ")
+    if proc.exit_code == slurm.LIMIT_EXIT:
+        return f"stopped at the warning before {limit}"
+    return None
+
+
+def interruption(ws: Workspace, store: Store, proc: StageProc, *, why: str, attempt: int, limit: int,
+                 job: str | None, how: str) -> dict:
+    """The event's data for a job requeued (`how`: "requeued", the same job id) or submitted again
+    ("resubmitted", a new one): why, the step the stage had reached and the one it resumes from (training)."""
+    obs = store.latest_observation(proc.stage) or {}
+    prog = obs.get("progress") if obs.get("t", 0) >= (proc.started_at or 0) else None
+    step = prog.get("step") if isinstance(prog, dict) else None
+    out = ws.for_run(proc.run_id).out_dir(proc.stage) if proc.stage == "train" else None
+    resume = named_latest(out) if out is not None and out.is_dir() else None
+    return {"why": why, "how": how, "job_id": job, "previous_job_id": proc.job_id, "attempt": attempt,
+            "limit": limit, "step": step, "resume_step": resume}
 
 
 def _name(proc: StageProc) -> str:

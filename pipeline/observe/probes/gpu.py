@@ -130,3 +130,15 @@ def _describe(exc: Exception) -> str:
     if "Driver Not Loaded" in text or "libnvidia-ml" in text or "NVML Shared Library Not Found" in text:
         return f"driver not loaded ({text})"
     return text
+
+
+def idle_fake_gpus(count: int):
+    """A FakeNvml script: `count` idle GPUs (what the demo and tests use by default)."""
+    return lambda tick: [{"util": 0.0, "mem_used_mb": 1000.0, "power_w": 60.0, "power_limit_w": 700.0,
+                          "energy_mj": 60_000.0 * tick, "pids": []} for _ in range(count)]
+
+
+def nvml_or_fake(fake_gpus: int = 0, *, clock=time.time) -> GpuProbe:
+    """NVML, or `fake_gpus` scripted idle GPUs (`[monitor] fake_gpus`: tests, the demo)."""
+    return GpuProbe(backend_factory=(lambda: FakeNvml(idle_fake_gpus(fake_gpus))) if fake_gpus else RealNvml,
+                    clock=clock)

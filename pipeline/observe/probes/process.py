@@ -119,17 +119,26 @@ def read_process(row: StageProc | None, *, clock=time.time) -> Reading:
                        unknown="the process ended; its exit status is not recorded yet")
     leader = next((p for p in members if p.pid == row.pid), None)
     value = {"alive": leader is not None or bool(members), "exit_code": None, "stop_requested": stop,
-             "members": len(members), "zombie": False}
+             **totals(members, leader_pid=row.pid)}
+    return known(value, clock=clock)
+
+
+def totals(members: list[psutil.Process], *, leader_pid: int | None = None) -> dict:
+    """What a stage's processes add up to, on this host: how many, their CPU time and bytes written, how many
+    wait on the disk (uninterruptible sleep: an fsync, a flush to a network filesystem) and how many are stopped
+    (SIGSTOP, a debugger), and whether the leader is a zombie. The remote probe (`eagle3 probe`) gives the same."""
+    out: dict = {"members": len(members), "zombie": False}
     cpu = io = 0.0
-    disk_wait = 0  # members in uninterruptible sleep: waiting on the disk (an fsync, a flush to a network filesystem)
+    disk_wait = stopped = 0
     io_reason = None
     for p in members:
         try:
             with p.oneshot():
                 status = p.status()
-                if p.pid == row.pid and status == psutil.STATUS_ZOMBIE:
-                    value["zombie"] = True
+                if p.pid == leader_pid and status == psutil.STATUS_ZOMBIE:
+                    out["zombie"] = True
                 disk_wait += status == psutil.STATUS_DISK_SLEEP
+                stopped += status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
                 t = p.cpu_times()
                 cpu += t.user + t.system
                 try:
@@ -138,7 +147,8 @@ def read_process(row: StageProc | None, *, clock=time.time) -> Reading:
                     io_reason = f"I/O counters unavailable ({type(exc).__name__})"
         except psutil.Error:
             continue
-    value["cpu_s"] = round(cpu, 3)
-    value["io_write_bytes"] = None if io_reason else int(io)
-    value["disk_wait"] = disk_wait
-    return known(value, clock=clock)
+    out["cpu_s"] = round(cpu, 3)
+    out["io_write_bytes"] = None if io_reason else int(io)
+    out["disk_wait"] = disk_wait
+    out["stopped"] = stopped
+    return out

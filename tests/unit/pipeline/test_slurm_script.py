@@ -27,8 +27,18 @@ def test_one_node_execs_the_stage_with_the_jobs_shape_as_sbatch_lines():
                 "--nodes=1", "--gres=gpu:8", "--cpus-per-task=32", "--mem=512G", "--partition=gpu", "--account=ml",
                 "--time=12:00:00", "--exclusive", "--chdir=/srv/ws"):
         assert f"#SBATCH {opt}" in lines, opt
-    assert lines[-1] == "exec python -m x --out 'a b'"  # quoted: never a shell string
+    assert "python -m x --out 'a b' &" in lines  # quoted: never a shell string
     assert "#SBATCH --qos" not in text
+    # Slurm's warning before the time limit, and the requeue after it (the stage's max_restarts: 3)
+    assert "#SBATCH --signal=B:USR1@300" in lines and "#SBATCH --requeue" in lines
+    assert "trap eagle3_on_limit USR1" in lines and lines[-1] == 'exit "$eagle3_code"'
+    assert '[ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_without_a_requeue_or_a_warning_the_script_says_so():
+    text = script(["python", "-m", "x"], requeue=False, limit_signal_s=0)
+    assert "#SBATCH --no-requeue" in text and "--signal" not in text and "scontrol requeue" not in text
 
 
 def test_several_nodes_run_torchrun_under_srun_with_the_rendezvous_from_the_allocation():
@@ -36,8 +46,8 @@ def test_several_nodes_run_torchrun_under_srun_with_the_rendezvous_from_the_allo
                   nodes=2, gpus_per_node=8)
     assert "#SBATCH --nodes=2" in text and "--standalone" not in text
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
-    last = text.splitlines()[-1]
-    assert last.startswith("exec srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun ")
+    last = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert last.startswith("srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun ") and last.endswith(" &")
     assert ('--nnodes="$SLURM_NNODES" --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d '
             '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --nproc-per-node 8 -m pipeline.train --steps 9') in last
     # the script is valid shell

@@ -1,0 +1,214 @@
+"""A Slurm job's processes read on its own nodes, through Slurm.
+
+The controller's host sees only its own processes and GPUs. For a job on other nodes, `srun --overlap
+--jobid N --nodelist NODES` runs `eagle3 probe --json` inside the job's allocation, once per node: the
+same fields the local probes give (the processes' count, CPU time, bytes written, waits on the disk,
+stopped members; the job's GPUs through NVML; its output directory's files), one JSON line a node. The
+diagnosis then judges a remote stage as it judges a local one. A job on this host is read here, without
+srun, by the same code. Slurm is the only way in: no daemon of ours runs on the nodes.
+
+A reading never raises: a node that does not answer, or an srun that Slurm refuses, is unknown with
+Slurm's own words, never zero. Readings are refreshed at most every `every_s` (an srun is a step launch
+on the cluster); between two, the last is shown with its age.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from pipeline.observe.probes import Reading
+from pipeline.observe.probes.files import FileScanner
+from pipeline.observe.probes.gpu import nvml_or_fake
+from pipeline.observe.probes.process import totals
+from pipeline.stages.slurm import is_local_host
+from pipeline.states import StageProc
+
+PROBE_ENV = "EAGLE3_PROBE"  # set in the probe's own step: its processes are not the stage's
+SRUN_TIMEOUT_S = 30.0
+VIA = "srun --overlap"
+
+
+def job_processes(job_id: str, node: str | None = None) -> list[psutil.Process]:
+    """The processes of Slurm job `job_id` on this node: every process Slurm started for it carries SLURM_JOB_ID
+    (and SLURMD_NODENAME) in its environment; the probe's own step is left out. Processes whose environment
+    cannot be read (another user's) are not the job's as far as this reading knows."""
+    me, out = os.getpid(), []
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            env = p.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("SLURM_JOB_ID") != job_id or PROBE_ENV in env:
+            continue
+        if node and env.get("SLURMD_NODENAME", node) != node:
+            continue
+        out.append(p)
+    return out
+
+
+def node_reading(job_id: str, *, files_dir: str | None = None, suffix: str = "", fake_gpus: int = 0) -> dict:
+    """What `eagle3 probe --json` prints on one node: its name, the time, the job's processes' totals, the job's
+    GPUs (NVML; `fake_gpus` idle ones in tests), the output directory's files; unknown parts under "unknown"."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    members = job_processes(job_id, node)
+    out: dict = {"node": node, "t": round(time.time(), 3), **totals(members)}
+    unknown: dict[str, str] = {}
+    gpus = nvml_or_fake(fake_gpus).read({p.pid: "job" for p in members})
+    held = _job_gpus()
+    if gpus.unknown:
+        unknown["gpus"] = gpus.unknown
+    else:
+        out["gpus"] = [{**g, "node": node} for g in gpus.value if held is None or g.get("index") in held]
+    if files_dir:
+        files = FileScanner(files_dir, suffix=suffix).scan()
+        if files.unknown:
+            unknown["files"] = files.unknown
+        else:
+            out["files"] = files.value
+    if unknown:
+        out["unknown"] = unknown
+    return out
+
+
+def _job_gpus() -> set[int] | None:
+    """The GPU indices Slurm gave the job on this node (SLURM_JOB_GPUS), None where it does not say."""
+    text = os.environ.get("SLURM_JOB_GPUS") or os.environ.get("SLURM_STEP_GPUS")
+    if not text:
+        return None
+    try:
+        return {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        return None
+
+
+def combine(lines: list[dict]) -> dict:
+    """Per-node readings as one process section: totals added up, each node's own figures kept."""
+    value: dict = {"members": 0, "cpu_s": 0.0, "io_write_bytes": 0, "disk_wait": 0, "stopped": 0, "zombie": False}
+    nodes, gpus = {}, []
+    for line in lines:
+        for key in ("members", "disk_wait", "stopped"):
+            value[key] += int(line.get(key) or 0)
+        value["cpu_s"] = round(value["cpu_s"] + float(line.get("cpu_s") or 0.0), 3)
+        if value["io_write_bytes"] is not None:
+            value["io_write_bytes"] = None if line.get("io_write_bytes") is None else \
+                value["io_write_bytes"] + int(line["io_write_bytes"])
+        value["zombie"] = value["zombie"] or bool(line.get("zombie"))
+        gpus += line.get("gpus") or []
+        nodes[line.get("node", "?")] = {k: line.get(k) for k in ("members", "cpu_s", "stopped", "disk_wait", "files",
+                                                                  "unknown") if line.get(k) is not None}
+    value["remote_nodes"] = nodes
+    value["remote_gpus"] = gpus
+    return value
+
+
+class RemoteProbe:
+    """Reads Slurm jobs' processes on their nodes; one per sampler. Thread-safe: the sampler's probe threads
+    call `read` for several stages at once."""
+
+    def __init__(self, *, every_s: float, fake_gpus: int = 0, clock=time.time, python: str = sys.executable,
+                 timeout_s: float = SRUN_TIMEOUT_S) -> None:
+        self.every_s, self.fake_gpus, self.clock, self.python, self.timeout_s = every_s, fake_gpus, clock, python, timeout_s
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[float, dict, str]] = {}  # job id → (when read, the reading, how)
+
+    def read(self, row: StageProc, *, files_dir: str | None = None, suffix: str = "") -> Reading:
+        """The process section for a running Slurm job: Slurm's word that it runs, and its processes' figures read
+        on its nodes (with where, how and how old), or why they cannot be read."""
+        now = self.clock()
+        base = {"alive": True, "exit_code": None, "stop_requested": bool(row.stop_requested), "job_id": row.job_id,
+                "queued": False}
+        job = row.job_id or ""
+        with self._lock:
+            held = self._last.get(job)
+        if held is None or now - held[0] >= self.every_s:
+            got = self._fresh(row, files_dir=files_dir, suffix=suffix)
+            if isinstance(got, str):
+                why = f"{got}; Slurm says job {job} is running" + (
+                    f" (the last reading, {now - held[0]:.0f}s old, is not used)" if held else "")
+                return Reading(t=now, value=base, unknown=why)
+            with self._lock:
+                held = self._last[job] = (self.clock(), got[0], got[1])
+        t, value, how = held
+        return Reading(t=now, value={**base, **value, "remote": {"via": how, "age_s": round(max(0.0, now - t), 1),
+                                                                 "nodes": value["remote_nodes"]}})
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the readings of jobs no longer followed."""
+        with self._lock:
+            for job in set(self._last) - keep:
+                del self._last[job]
+
+    def _fresh(self, row: StageProc, *, files_dir: str | None, suffix: str) -> tuple[dict, str] | str:
+        """(the combined reading, how it was read), or why it could not be."""
+        nodes = row.job_nodes or row.job_host
+        if not nodes:
+            return f"Slurm job {row.job_id} has no node yet"
+        if is_local_host(nodes):  # this host: read here, no step launched on the cluster
+            return combine([node_reading(row.job_id or "", files_dir=files_dir, suffix=suffix,
+                                         fake_gpus=self.fake_gpus)]), "this host"
+        argv = ["srun", "--overlap", f"--jobid={row.job_id}", f"--nodelist={nodes}", "--ntasks-per-node=1",
+                "--quiet", f"--export=ALL,{PROBE_ENV}=1", self.python, "-m", __name__, "--json", "--job", row.job_id or ""]
+        if files_dir:
+            argv += ["--files", files_dir] + (["--suffix", suffix] if suffix else [])
+        if self.fake_gpus:
+            argv += ["--fake-gpus", str(self.fake_gpus)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s, env=env,
+                               cwd=_root())
+        except FileNotFoundError:
+            return "cannot read the job's nodes: `srun` is not on PATH"
+        except subprocess.TimeoutExpired:
+            return f"`{VIA}` on {nodes} did not answer within {self.timeout_s:.0f} s"
+        except OSError as exc:
+            return f"cannot run srun: {exc.strerror}"
+        lines = []
+        for text in r.stdout.splitlines():
+            try:
+                line = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(line, dict) and "node" in line:
+                lines.append(line)
+        if r.returncode != 0 or not lines:
+            said = next((x.strip() for x in r.stderr.splitlines() if x.strip()), "") or f"exit status {r.returncode}"
+            return f"`{VIA}` on {nodes} failed: {said}"
+        return combine(lines), f"{VIA} on {nodes}"
+
+
+def _root() -> str:
+    """The directory the probe runs from (the project's, where it is not installed as a package)."""
+    return str(Path(__file__).resolve().parents[3])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`eagle3 probe`'s flags (the same program as `python -m pipeline.observe.probes.remote`)."""
+    parser.add_argument("--json", action="store_true", help="one JSON line (the only output there is)")
+    parser.add_argument("--job", required=True, help="the Slurm job id whose processes are read")
+    parser.add_argument("--files", default=None, metavar="DIR", help="the stage's output directory: its files counted")
+    parser.add_argument("--suffix", default="", help="only files with this suffix")
+    parser.add_argument("--fake-gpus", type=int, default=0, metavar="N", help="N idle scripted GPUs in place of NVML")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print this node's reading of the job as one JSON line."""
+    print(json.dumps(node_reading(args.job, files_dir=args.files, suffix=args.suffix, fake_gpus=args.fake_gpus)))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="eagle3 probe")
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
