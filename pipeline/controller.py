@@ -402,7 +402,8 @@ class Controller:
             started_at=proc.started_at, ended_at=proc.ended_at,
             uptime_s=round(now - proc.started_at, 1) if running and proc.started_at else None,
             log=proc.log or str(self.ws.log_path(stage)), reason=proc.reason, run=proc.run_id, stop_requested=bool(proc.stop_requested),
-            job=proc.job_id if proc.executor == "slurm" else None, out=self._out(stage, proc.run_id))
+            job=proc.job_id if proc.is_job else None, nodes=(proc.job_nodes or proc.job_host) if proc.is_job else None,
+            out=self._out(stage, proc.run_id))
         return self._with_verdict(stage, proc, st, v)
 
     def _out(self, stage: str, run: str | None) -> str | None:

@@ -38,6 +38,7 @@ class StageStatus:
     run: str | None = None
     stop_requested: bool = False
     job: str | None = None  # the Slurm job id of a stage run as a job (the key is absent for local stages)
+    nodes: str | None = None  # the job's nodes as Slurm lists them ("gpu-[017-018]"), once it runs (else absent)
     out: str | None = None  # its output as its run sees it (`{run}` expanded); the key is absent where none is set
     observed: bool = False  # a verdict of this very process is stored (else: "not observed yet")
     # the stored verdict of this process (its fields are StoredVerdict's, declared there once and read here as
@@ -93,6 +94,8 @@ class StageStatus:
         out = {k: _plain(getattr(self, k)) for k in PROCESS_KEYS}
         if self.job is not None:
             out["job"] = self.job
+        if self.nodes is not None:
+            out["nodes"] = self.nodes
         if self.out is not None:
             out["out"] = self.out
         if not self.started:

@@ -91,7 +91,9 @@ def _event_message(event: dict, *, oncall: list[str], patterns: Sequence[str] = 
 def requeued_text(stage: str | None, d: dict) -> str:
     """"train reached its 4h time limit at step 12,400; requeued as job 8812 (restart 1 of 3), resumes from
     step 12,400"."""
-    at = f" at step {d['step']:,}" if isinstance(d.get("step"), int) else ""
+    done, total, unit = d.get("done"), d.get("total"), d.get("unit") or "done"
+    at = "" if not isinstance(done, int) else f" at step {done:,}" if unit == "steps" else \
+        f" at {done:,}" + (f" of {total:,}" if isinstance(total, int) else "") + f" {unit}"
     job = (f"requeued as job {d['job_id']}" if d.get("how") == "resubmitted" else
            f"requeued by Slurm (job {d['job_id']})")
     resume = (f", resumes from step {d['resume_step']:,}" if isinstance(d.get("resume_step"), int) else

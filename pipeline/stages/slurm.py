@@ -240,13 +240,16 @@ def _command(argv: list[str], cfg: SlurmSettings) -> tuple[str, str]:
             f"{shlex.join(head)} {rdzv} {shlex.join(rest)}")
 
 
-def _wrapped(command: str, *, requeue_below: int | None) -> str:
+def _wrapped(command: str, *, requeue_below: int | None, steps: bool) -> str:
     """The command run under a shell that stays, so that Slurm's warning before the time limit (SIGUSR1 to
     the batch shell alone, `--signal=B:USR1@N`) reaches the stage as the SIGTERM it saves a checkpoint on.
     After that warning the job requeues itself (`scontrol requeue`: the same job id, started again from its
     checkpoint) while its restarts are below `requeue_below`; else it exits LIMIT_EXIT, an interruption the
-    executor submits again (or names). A TERM to the batch shell (scancel --full, Slurm at the limit) reaches
-    every process of the job already: the shell keeps waiting for the stage to finish its checkpoint."""
+    executor submits again (or names). Where the command is `srun` (`steps`), the TERM goes to the job's steps
+    (`scancel --signal=TERM JOB`): srun itself takes a TERM as "kill the step", and SIGKILLs its tasks a
+    KillWait later, mid-checkpoint. A TERM to the batch shell (scancel --full, Slurm at the limit) reaches every
+    process of the job already: the shell keeps waiting for the stage to finish its checkpoint."""
+    stop = 'scancel --signal=TERM "$SLURM_JOB_ID"' if steps else 'kill -TERM "$eagle3_child" 2>/dev/null'
     requeue = "" if requeue_below is None else (
         f'if [ -n "$eagle3_limit" ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {requeue_below} ]; then\n'
         '    echo "eagle3: the stage stopped (exit status $eagle3_code); requeueing job $SLURM_JOB_ID, restart '
@@ -256,7 +259,7 @@ def _wrapped(command: str, *, requeue_below: int | None) -> str:
     return (
         "eagle3_limit=\n"
         f'eagle3_on_limit() {{ eagle3_limit=1; echo "{LIMIT_MARK} (SIGUSR1): stopping the stage with SIGTERM"; '
-        'kill -TERM "$eagle3_child" 2>/dev/null; }\n'
+        f'{stop}; }}\n'
         "trap eagle3_on_limit USR1\n"
         "trap ':' TERM\n"
         f"{command} &\n"
@@ -287,8 +290,9 @@ def batch_script(*, name: str, argv: list[str], stage: StageConfig, slurm: Slurm
     lines = ["#!/bin/bash", f"# eagle3: the {name.split('-')[1]} stage as a Slurm job (generated; edits are overwritten)"]
     lines += [f"#SBATCH {o}" for o in opts]
     before, command = _command(argv, job)
-    lines += ["export PYTHONUNBUFFERED=1", before + _wrapped(command, requeue_below=stage.max_restarts
-                                                             if job.requeue else None), ""]
+    lines += ["export PYTHONUNBUFFERED=1", before + _wrapped(command, steps=command.startswith("srun "),
+                                                             requeue_below=stage.max_restarts if job.requeue else None),
+              ""]
     return "\n".join(lines)
 
 

@@ -108,7 +108,7 @@ class SlurmExecutor:
         except OSError:
             said = False
         if said:
-            return f"reached its {fmt_s(proc.job_limit_s)} time limit" if proc.job_limit_s else "reached its time limit"
+            return f"reached {limit_text(proc.job_limit_s)}"
         for node in slurm.hostnames(proc.job_nodes or proc.job_host or "") if (proc.job_nodes or proc.job_host) else []:
             state = slurm.node_state(node)
             if state and any(w in state for w in ("DOWN", "FAIL", "NOT_RESPONDING")):
@@ -171,13 +171,23 @@ class SlurmExecutor:
             self.host.sleep(JOB_POLL_S)
 
 
+def limit_text(limit_s: float | None) -> str:
+    """"its 4h time limit", "its 1m time limit", "its 1h30m time limit"."""
+    if not limit_s:
+        return "its time limit"
+    text = fmt_s(limit_s)
+    for zero in ("m00s", "h00m"):
+        text = text.replace(zero, zero[0])
+    return f"its {text} time limit"
+
+
 def interrupted(ws: Workspace, proc: StageProc) -> str | None:
     """Why a Slurm job that ended was interrupted rather than ended by its stage (its time limit, a preemption,
     its node), when the stage allows a requeue; None otherwise."""
     job = ws.stage(proc.stage).executor
     if not proc.is_job or not isinstance(job, SlurmSettings) or not job.requeue or proc.stop_requested:
         return None
-    limit = f"its {fmt_s(proc.job_limit_s)} time limit" if proc.job_limit_s else "its time limit"
+    limit = limit_text(proc.job_limit_s)
     if proc.job_state == "TIMEOUT":
         return f"reached {limit}"
     if proc.job_state == "PREEMPTED":
@@ -196,11 +206,12 @@ def interruption(ws: Workspace, store: Store, proc: StageProc, *, why: str, atte
     ("resubmitted", a new one): why, the step the stage had reached and the one it resumes from (training)."""
     obs = store.latest_observation(proc.stage) or {}
     prog = obs.get("progress") if obs.get("t", 0) >= (proc.started_at or 0) else None
-    step = prog.get("step") if isinstance(prog, dict) else None
+    prog = prog if isinstance(prog, dict) else {}
     out = ws.for_run(proc.run_id).out_dir(proc.stage) if proc.stage == "train" else None
     resume = named_latest(out) if out is not None and out.is_dir() else None
     return {"why": why, "how": how, "job_id": job, "previous_job_id": proc.job_id, "attempt": attempt,
-            "limit": limit, "step": step, "resume_step": resume}
+            "limit": limit, "done": prog.get("done"), "total": prog.get("total"), "unit": prog.get("unit"),
+            "resume_step": resume}
 
 
 def _name(proc: StageProc) -> str:

@@ -152,8 +152,9 @@ class Dist:
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = rank_device(int(os.environ.get("LOCAL_RANK", 0)))
         if self.world > 1:
-            if self.device.type == "cpu":
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never bind another interface
+            one_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) == self.world
+            if self.device.type == "cpu" and one_node:  # all ranks here: never bind another interface; across
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # nodes, gloo's own choice (the host's name)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend)
             serve_dumps(self.rank, backend)  # "why is it stuck?" reads the collective each rank is in

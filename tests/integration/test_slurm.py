@@ -31,6 +31,8 @@ from tests.conftest import (
 pytestmark = pytest.mark.timeout(240)
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 CONF = "/tmp/eagle3-slurm/slurm.conf"
+TWO_NODES_UNAVAILABLE = Path("/tmp/eagle3-slurm/two-nodes.unavailable")
+NODES = ("e3n1", "e3n2")  # partition `two`; `spare` (e3n3, e3n4) is the node-death test's alone
 
 
 @pytest.fixture(scope="session")
@@ -67,9 +69,45 @@ def cluster(_cluster_up, monkeypatch, tmp_path):
     subprocess.run(["scancel", "--name", f"blocker-{tag}", *jobs], capture_output=True)
 
 
-def slurm_ws(tmp_path: Path, stages: dict[str, tuple[list[str], str]], extra: str = "") -> Path:
+@pytest.fixture
+def two_nodes(cluster):
+    """The cluster's namespaced nodes: partition `two` (e3n1, e3n2), shared by the tests that only run jobs
+    there, and `spare` (e3n3, e3n4), the node-death test's alone."""
+    if TWO_NODES_UNAVAILABLE.exists():
+        pytest.skip(f"the 2-node Slurm partition is not available here: {TWO_NODES_UNAVAILABLE.read_text().strip()}")
+    return cluster
+
+
+def node_state(node: str) -> str:
+    out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True).stdout
+    m = re.search(r"\bState=(\S+)", out)
+    return m.group(1) if m else ""
+
+
+def serve(cfg: Path) -> subprocess.Popen:
+    env = {**os.environ, "SLURM_CONF": CONF}
+    return subprocess.Popen([sys.executable, "-m", "bot.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def end_serve(svc: subprocess.Popen, cfg: Path) -> str:
+    if svc.poll() is None:
+        svc.send_signal(signal.SIGTERM)
+    out = svc.communicate(timeout=60)[0]
+    eagle3("stop", "--all", "--grace", "2", "--config", str(cfg), env={"SLURM_CONF": CONF})
+    return out
+
+
+def events(cfg: Path, kind: str) -> list[dict]:
+    conn = sqlite3.connect(cfg.parent / ".eagle3" / "state.sqlite")
+    rows = conn.execute("SELECT stage, data FROM events WHERE kind = ? ORDER BY id", (kind,)).fetchall()
+    conn.close()
+    return [{"stage": stage, **json.loads(data)} for stage, data in rows]
+
+
+def slurm_ws(tmp_path: Path, stages: dict[str, tuple[list[str], str]], extra: str = "", monitor: str = "") -> Path:
     """A workspace whose stages run as Slurm jobs: {stage: (argv, extra TOML lines)}."""
-    parts = ["[monitor]\ntick_s = 0.5\nfake_gpus = 4\n", extra]
+    parts = [f"[monitor]\ntick_s = 0.5\nfake_gpus = 4\n{monitor}", extra]
     for name, (argv, more) in stages.items():
         parts.append(f'[stages.{name}]\nexecutor = "slurm"\nargv = {json.dumps(argv)}\n{more}\n')
     cfg = tmp_path / "eagle3.toml"
@@ -182,16 +220,23 @@ def test_kill_9_of_serve_and_adoption_without_a_resubmission(cluster, tmp_path):
         eagle3("stop", "--all", "--grace", "2", "--config", str(cfg), env={"SLURM_CONF": CONF})
 
 
-def test_the_toy_pipelines_handoff_with_jobs_submits_training_exactly_once(cluster, tmp_path):
+def test_the_toy_pipelines_handoff_with_jobs_submits_training_exactly_once(cluster, tmp_path, request):
+    """Server and extraction as jobs on this host; training, handed off by itself, as one job on both nodes of
+    partition `two` (where the 2-node partition cannot stand: on this host, with 2 GPUs)."""
     from pipeline.toy.demo_workspace import write_dataset, write_demo_workspace
+
+    two = not TWO_NODES_UNAVAILABLE.exists()
+    if two:
+        request.getfixturevalue("two_nodes")
 
     demo = write_demo_workspace(tmp_path / "ws")
     write_dataset(demo.parent / "data.jsonl", 40)
     text = demo.read_text().replace("tick_s = 1\n", "tick_s = 0.5\n").replace("fake_gpus = 2", "fake_gpus = 4")
     text = re.sub(r"(\[stages\.(server|extract)\]\n)", r'\1executor = "slurm"\n', text)
     stand_in = [sys.executable, str(FIXTURES / "fake_train.py"), str(tmp_path / "ws" / "ckpt")]
+    shape = 'nodes = 2\nslurm_args = ["--partition=two"]\n' if two else ""
     text = re.sub(r"(\[stages\.train\]\n)argv = \[.*?\]\n", lambda m: m.group(1) + 'executor = "slurm"\ngpus_per_node = 2\n'
-                  f"argv = {json.dumps(stand_in)}\n", text, flags=re.S)
+                  f"{shape}argv = {json.dumps(stand_in)}\n", text, flags=re.S)
     demo.write_text(text)
     env = {**os.environ, "SLURM_CONF": CONF}
     for args in (["start", "server"], ["start", "extract"], ["autostart", "on"]):
@@ -213,6 +258,135 @@ def test_the_toy_pipelines_handoff_with_jobs_submits_training_exactly_once(clust
     trains = conn.execute("SELECT job_id, job_name FROM stage_procs WHERE stage = 'train'").fetchall()
     conn.close()
     assert len(trains) == 1 and trains[0][0], trains
-    assert len((tmp_path / "ws" / "ckpt" / "launches.txt").read_text().splitlines()) == 1
+    launches = (tmp_path / "ws" / "ckpt" / "launches.txt").read_text().splitlines()
+    if two:  # once per node, in the one job: srun started it on both
+        assert sorted(line.split()[2] for line in launches) == list(NODES), launches
+        assert st["stages"]["train"]["nodes"] == "e3n[1-2]", st["stages"]["train"]
+    else:
+        assert len(launches) == 1
     assert job_field(trains[0][0], "TresPerNode") == "gres:gpu:2"  # submitted with --gres=gpu:2
     assert st["stages"]["train"]["job"] == trains[0][0] and st["stages"]["train"]["exit_code"] == 0
+
+
+def test_a_remote_stage_stopped_with_sigstop_is_stalled_by_its_nodes_readings(two_nodes, tmp_path):
+    """The stage runs on e3n1, another host to the monitor: its processes are read there through `srun --overlap`;
+    SIGSTOPped, it is judged stalled from those readings, naming the node, within the usual deadline."""
+    from pipeline.observe.probes.remote import job_processes
+
+    out = tmp_path / "out"
+    cfg = slurm_ws(tmp_path, {"extract": (fixture_argv("fake_extract.py", str(out), "100000", "0.2"),
+                                          f'out = "{out}"\nslurm_args = ["--partition=two", "--nodelist=e3n1"]')},
+                   monitor="stall_floor_s = 6\nremote_every_s = 1\n")
+    svc = serve(cfg)
+    try:
+        assert eagle3("start", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
+        st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "progressing" and s,
+                      timeout=90, what="the remote extraction to progress")
+        assert st["nodes"] == "e3n1" and st["job"], st
+        with Controller.open(str(cfg)) as ctl:
+            obs = ctl.store.latest_observation("extract")
+        process = obs["process"]
+        assert process["remote"]["via"] == "srun --overlap on e3n1" and process["cpu_s"] > 0, process
+        assert process["members"] >= 2 and process["remote"]["nodes"]["e3n1"]["members"] == process["members"]
+        assert obs["gpus"] and {g["node"] for g in obs["gpus"]} == {"e3n1"}, obs.get("gpus")  # NVML read there
+
+        procs, _ = job_processes(st["job"], "e3n1")  # this test shares the nodes' process namespace
+        assert procs
+        for p in procs:
+            p.suspend()
+        stopped_at = time.time()
+        try:
+            st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "stalled" and s,
+                          timeout=45, what="the stalled verdict")
+            took = time.time() - stopped_at
+        finally:
+            for p in procs:
+                p.resume()
+        reasons = "\n".join(st["reasons"])
+        assert f"on e3n1: {len(procs)} of {len(procs)} process(es) stopped" in reasons, reasons
+        assert "processes read through srun --overlap on e3n1" in reasons, reasons
+        assert took < 6 + 3 * 1 + 10, took  # the deadline (stall_floor_s), a remote reading's age, a tick's slack
+        wait_for(lambda: status_json(cfg)["stages"]["extract"]["verdict"] == "progressing", timeout=60,
+                 what="the recovery once resumed")
+    finally:
+        end_serve(svc, cfg)
+
+
+def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an_uninterrupted_run(
+        two_nodes, toy_extraction, tmp_path):
+    """torchrun under srun on both nodes (c10d rendezvous on the first), with a 1-minute limit: Slurm's warning
+    (USR1) makes it checkpoint, the job requeues itself, the channel says so once, and the run resumes from the
+    saved step to the same final loss as an uninterrupted run beside it, and exports its draft."""
+    from tests.integration.test_train import SMALL, torchrun
+
+    data, target = str(toy_extraction["out"]), str(toy_extraction["target"])
+    steps = ["--steps", "50", *SMALL]
+    reference = torchrun("--data", data, "--target-model", target, *steps, "--out", str(tmp_path / "reference"))
+    ckpt = tmp_path / "ckpt"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+            str(FIXTURES / "slow_train.py"), "--data", data, "--target-model", target, *steps, "--out", str(ckpt)]
+    cfg = slurm_ws(tmp_path, {"train": (argv, f'out = "{ckpt}"\nnodes = 2\nlimit_signal_s = 15\nmax_restarts = 3\n'
+                                              'slurm_args = ["--partition=two", "--time=1"]\n'
+                                              'env = { SLOW_STEP_S = "1", OMP_NUM_THREADS = "1", CUDA_VISIBLE_DEVICES = "" }')})
+    svc = serve(cfg)
+    try:
+        r = eagle3("start", "train", "--force", "--config", str(cfg), env={"SLURM_CONF": CONF})  # no extraction here
+        assert r.returncode == 0, r.stderr
+        st = wait_for(lambda: (s := status_json(cfg)["stages"]["train"])["state"] == "running" and s, timeout=60,
+                      what="the 2-node job to run")
+        assert st["nodes"] == "e3n[1-2]", st
+        requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=120, what="the requeue at the limit")
+        job = st["job"]
+        subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True)  # the rest runs whole
+        st = wait_for(lambda: (s := status_json(cfg)["stages"]["train"])["state"] == "exited" and s, timeout=180,
+                      interval=1, what="the resumed training to end")
+    finally:
+        out = end_serve(svc, cfg)
+    ref_out = reference.communicate(timeout=120)[0]
+    assert reference.returncode == 0, ref_out[-2000:]
+    assert st["exit_code"] == 0 and st["job"] == job, (st, out[-3000:])
+    assert len(requeued) == 1 and requeued[0]["how"] == "requeued" and requeued[0]["attempt"] == 1, requeued
+    log = (cfg.parent / ".eagle3" / "logs" / "train.log").read_text()
+    saved = int(re.search(r"SIGTERM: checkpoint saved at step (\d+)", log).group(1))
+    assert requeued[0]["resume_step"] == saved and "reached its 1m time limit" in requeued[0]["why"], requeued
+    said = [line for line in out.splitlines() if "requeued by Slurm" in line]
+    assert len(said) == 1 and f"resumes from step {saved}" in said[0], out[-3000:]
+    rows = progress_rows(ckpt)
+    assert [r["step"] for r in rows] == list(range(1, 51)), "steps must not repeat or skip across the requeue"
+    final = progress_rows(tmp_path / "reference")[-1]
+    assert rows[-1]["loss"] == pytest.approx(final["loss"], rel=1e-5), (rows[-1], final)
+    from pipeline.draft.sglang import check_export
+    assert check_export(ckpt / "draft") == []
+
+
+def progress_rows(ckpt: Path) -> list[dict]:
+    return [json.loads(line) for line in (ckpt / "progress.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_a_nodes_death_mid_job_is_node_fail_a_requeue_and_one_message(two_nodes, tmp_path):
+    """The node running the stage dies (its slurmd and every process on it): Slurm reports NODE_FAIL, requeues
+    the job (--requeue) onto the other node, and the channel is told once."""
+    out = tmp_path / "out"
+    cfg = slurm_ws(tmp_path, {"extract": (fixture_argv("fake_extract.py", str(out), "100000", "0.2"),
+                                          f'out = "{out}"\nslurm_args = ["--partition=spare"]')},
+                   monitor="stall_floor_s = 60\nremote_every_s = 2\n")
+    svc = serve(cfg)
+    dead = None
+    try:
+        assert eagle3("start", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
+        st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["state"] == "running" and s["nodes"]
+                      and s, timeout=60, what="the job to run")
+        dead = st["nodes"]
+        subprocess.run(["bash", str(CLUSTER), "node-kill", dead], check=True)
+        requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=90, what="Slurm to requeue the job")
+        st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["state"] == "running" and
+                      s["nodes"] not in (None, dead) and s, timeout=120, what="the job to run on the other node")
+    finally:
+        out_text = end_serve(svc, cfg)
+        if dead:  # back, and idle again, for the next run's test
+            subprocess.run(["bash", str(CLUSTER), "node-up", dead], capture_output=True)
+            wait_for(lambda: node_state(dead).startswith("IDLE"), timeout=60, what=f"node {dead} back")
+    assert len(requeued) == 1 and requeued[0]["why"].startswith(f"lost node {dead} (DOWN"), requeued
+    said = [line for line in out_text.splitlines() if "requeued by Slurm" in line]
+    assert len(said) == 1 and f"extract lost node {dead}" in said[0], out_text[-3000:]
+    assert not [line for line in out_text.splitlines() if "is dead" in line or "is stalled" in line], out_text[-3000:]

@@ -5,7 +5,8 @@
 # nodes, e3n1 and e3n2, each a slurmd in its own network, UTS and mount namespace on a veth bridge
 # (10.73.0.0/24; the names resolve inside them through a hosts file of their own): a job there runs on
 # "another host" as far as Slurm, torchrun and eagle3 can tell, while the filesystem is shared, as a
-# cluster's is. Where namespaces or veth links cannot be made, the cluster has the one node and
+# cluster's is. Partition `spare` (e3n3, e3n4) is the same again, for the test that kills a node, so
+# that no other test's job is on it. Where namespaces or veth links cannot be made, the cluster has the one node and
 # $DIR/two-nodes.unavailable says why (the 2-node tests skip with it).
 # Everything lives in $EAGLE3_SLURM_DIR (default /tmp/eagle3-slurm), munge included (its own key,
 # socket and munged): /etc/slurm and /etc/munge are not touched, and a munged or Slurm the host
@@ -20,11 +21,11 @@ export SLURM_CONF=$CONF
 CLUSTER=eagle3test
 BRIDGE=e3br0
 NET=10.73.0
-NODES="e3n1 e3n2"
+NODES="e3n1 e3n2 e3n3 e3n4"
 
 say() { echo "cluster.sh: $*" >&2; }
 running() { [ -f "$DIR/$1.pid" ] && kill -0 "$(cat "$DIR/$1.pid")" 2>/dev/null; }
-node_ip() { case "$1" in e3n1) echo "$NET.11" ;; e3n2) echo "$NET.12" ;; esac; }
+node_ip() { echo "$NET.1${1#e3n}"; }  # e3n1 → 10.73.0.11
 
 # The two namespaced nodes' network: a bridge on this host ($NET.1) and one veth pair per node.
 # Prints nothing and returns 0 when it stands; else prints why not.
@@ -107,6 +108,7 @@ MinJobAge=300
 InactiveLimit=0
 SlurmdTimeout=10
 JobRequeue=1
+SchedulerParameters=bf_interval=2,sched_interval=2
 NodeName=$HOST NodeAddr=$1 CPUs=16 RealMemory=16000 Gres=gpu:4 State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 CONF
@@ -117,9 +119,10 @@ CONF
         printf 'NodeName=%s Name=gpu File=%s/gpus/gpu[0-1]\n' "$n" "$DIR" >>"$DIR/gres.conf"
         mkdir -p "$DIR/spool/$n"
     done
-    echo "PartitionName=two Nodes=${NODES// /,} MaxTime=INFINITE State=UP" >>"$CONF"
-    printf '127.0.0.1 localhost\n%s.1 %s\n%s e3n1\n%s e3n2\n' "$NET" "$HOST" "$(node_ip e3n1)" "$(node_ip e3n2)" \
-        >"$DIR/hosts"
+    echo "PartitionName=two Nodes=e3n1,e3n2 MaxTime=INFINITE State=UP" >>"$CONF"
+    echo "PartitionName=spare Nodes=e3n3,e3n4 MaxTime=INFINITE State=UP" >>"$CONF"
+    printf '127.0.0.1 localhost\n%s.1 %s\n' "$NET" "$HOST" >"$DIR/hosts"
+    for n in $NODES; do echo "$(node_ip "$n") $n" >>"$DIR/hosts"; done
 }
 
 up() {

@@ -38,11 +38,12 @@ SRUN_TIMEOUT_S = 30.0
 VIA = "srun --overlap"
 
 
-def job_processes(job_id: str, node: str | None = None) -> list[psutil.Process]:
-    """The processes of Slurm job `job_id` on this node: every process Slurm started for it carries SLURM_JOB_ID
+def job_processes(job_id: str, node: str | None = None) -> tuple[list[psutil.Process], set[int] | None]:
+    """The processes of Slurm job `job_id` on this node, and the GPU indices Slurm gave the job here (its
+    SLURM_JOB_GPUS; None where it does not say): every process Slurm started for the job carries SLURM_JOB_ID
     (and SLURMD_NODENAME) in its environment; the probe's own step is left out. Processes whose environment
     cannot be read (another user's) are not the job's as far as this reading knows."""
-    me, out = os.getpid(), []
+    me, out, gpus = os.getpid(), [], None
     for p in psutil.process_iter():
         if p.pid == me:
             continue
@@ -55,18 +56,18 @@ def job_processes(job_id: str, node: str | None = None) -> list[psutil.Process]:
         if node and env.get("SLURMD_NODENAME", node) != node:
             continue
         out.append(p)
-    return out
+        gpus = gpus if gpus is not None else _indices(env.get("SLURM_JOB_GPUS"))
+    return out, gpus
 
 
 def node_reading(job_id: str, *, files_dir: str | None = None, suffix: str = "", fake_gpus: int = 0) -> dict:
     """What `eagle3 probe --json` prints on one node: its name, the time, the job's processes' totals, the job's
     GPUs (NVML; `fake_gpus` idle ones in tests), the output directory's files; unknown parts under "unknown"."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    members = job_processes(job_id, node)
+    members, held = job_processes(job_id, node)
     out: dict = {"node": node, "t": round(time.time(), 3), **totals(members)}
     unknown: dict[str, str] = {}
     gpus = nvml_or_fake(fake_gpus).read({p.pid: "job" for p in members})
-    held = _job_gpus()
     if gpus.unknown:
         unknown["gpus"] = gpus.unknown
     else:
@@ -82,9 +83,8 @@ def node_reading(job_id: str, *, files_dir: str | None = None, suffix: str = "",
     return out
 
 
-def _job_gpus() -> set[int] | None:
-    """The GPU indices Slurm gave the job on this node (SLURM_JOB_GPUS), None where it does not say."""
-    text = os.environ.get("SLURM_JOB_GPUS") or os.environ.get("SLURM_STEP_GPUS")
+def _indices(text: str | None) -> set[int] | None:
+    """"0,3" as {0, 3}; None for nothing or something else."""
     if not text:
         return None
     try:
@@ -96,7 +96,8 @@ def _job_gpus() -> set[int] | None:
 def combine(lines: list[dict]) -> dict:
     """Per-node readings as one process section: totals added up, each node's own figures kept."""
     value: dict = {"members": 0, "cpu_s": 0.0, "io_write_bytes": 0, "disk_wait": 0, "stopped": 0, "zombie": False}
-    nodes, gpus = {}, []
+    nodes: dict[str, dict] = {}
+    gpus: list[dict] = []
     for line in lines:
         for key in ("members", "disk_wait", "stopped"):
             value[key] += int(line.get(key) or 0)
