@@ -25,11 +25,11 @@ from pipeline.observe.probes.process import group_processes, read_process
 from pipeline.observe.probes.remote import RemoteProbe
 from pipeline.observe.probes.server import ServerProbe
 from pipeline.stages.slurm import is_local_host
-from pipeline.stages.slurm_executor import interrupted
+from pipeline.stages.slurm_executor import interrupted, limit_text, requeues
 from pipeline.stages.supervisor import Supervisor
 from pipeline.states import StageProc, StageState
 from pipeline.store import KV, Store
-from pipeline.verdict import Policy, StoredVerdict, VerdictRecord, fmt_bytes
+from pipeline.verdict import Policy, StoredVerdict, VerdictRecord, fmt_bytes, fmt_s
 
 HISTORY_S = 7200.0  # history replayed into a fresh diagnoser after a restart
 
@@ -198,17 +198,20 @@ class Sampler:
             previous = self.store.verdict(stage)
             record = StoredVerdict.of(verdict, proc_id=row.id, run=row.run_id, final=final)
             self.store.put_verdict(stage, record)
-            self._condition_events(stage, row, obs)
+            self._condition_events(stage, row, obs, eta_s=verdict.eta_s)
             if not previous or previous.verdict != verdict.verdict or previous.proc_id != row.id:
                 self.store.add_event(kind="verdict", run_id=row.run_id, stage=stage, data={
                     "from": previous.verdict if previous else None, "to": verdict.verdict,
                     "reasons": list(verdict.reasons), "progress_pct": record.progress_pct})
         return obs, verdict
 
-    def _condition_events(self, stage: str, row: StageProc, obs: dict) -> None:
-        """An event the first time the run will not fit on disk, or training reports an error (NaN, exploding)."""
+    def _condition_events(self, stage: str, row: StageProc, obs: dict, *, eta_s: float | None = None) -> None:
+        """An event the first time the run will not fit on disk, training reports an error (NaN, exploding), or a
+        Slurm job has a tenth of its time limit left and needs longer than that (once per allocation)."""
         disk, prog = obs.get("disk") or {}, obs.get("progress") or {}
         conditions = {
+            f"time-limit-{row.job_restarts or 0}": time_limit_warning(row, eta_s, now=obs["t"],
+                                                                     requeue=bool(requeues(self.ws, row))),
             "disk": disk.get("fits") is False and (
                 f"the run will not fit on disk: {fmt_bytes(disk['need_bytes'])} still to write, "
                 f"{fmt_bytes(disk['free_bytes'])} free"
@@ -256,6 +259,20 @@ class Sampler:
         if now - self.last_thin > 3600:
             self.store.thin_observations(now=now)
             self.last_thin = now
+
+
+def time_limit_warning(row: StageProc, eta_s: float | None, *, now: float, requeue: bool) -> str | None:
+    """"train has 5m of its 1h time limit left and needs about 25m more: …" where a running Slurm job has a tenth
+    of its limit or less left and its ETA is past the limit; None otherwise."""
+    if row.state != StageState.RUNNING or not row.job_limit_s or not row.job_end_at or eta_s is None:
+        return None
+    left = row.job_end_at - now
+    if left > 0.1 * row.job_limit_s or eta_s <= left:
+        return None
+    then = ("Slurm's warning will stop it with a checkpoint and the job is requeued, resuming from it" if requeue else
+            f"it will be killed at the limit: extend it (`scontrol update JobId={row.job_id} TimeLimit=…`)")
+    return (f"{row.stage} has {fmt_s(max(left, 0.0))} of {limit_text(row.job_limit_s)} left (Slurm job {row.job_id}) "
+            f"and needs about {fmt_s(eta_s)} more: {then}")
 
 
 def _remote_parts(reading: Reading | None) -> tuple[list | None, str | None]:

@@ -89,7 +89,7 @@ class SlurmExecutor:
             slurm.cancel(proc.job_id or "")
             record(self.store, proc, job_restarts=info.restarts, restart_given_up=1)
             self.store.add_event(kind="restart-limit", run_id=proc.run_id, stage=proc.stage, data={
-                "reason": f"{proc.stage}: Slurm requeued job {proc.job_id} a {info.restarts}th time, past max_restarts "
+                "reason": f"{proc.stage}: Slurm requeued job {proc.job_id} {info.restarts} times, past max_restarts "
                           f"= {limit} ({self._why(proc, info.restarts)}): cancelled"})
             return False
         data = interruption(self.ws, self.store, proc, why=self._why(proc, info.restarts), attempt=info.restarts,
@@ -181,11 +181,16 @@ def limit_text(limit_s: float | None) -> str:
     return f"its {text} time limit"
 
 
+def requeues(ws: Workspace, proc: StageProc) -> bool:
+    """Whether the stage runs as a Slurm job that is requeued after its time limit, a preemption or its node."""
+    job = ws.stage(proc.stage).executor
+    return proc.is_job and isinstance(job, SlurmSettings) and job.requeue
+
+
 def interrupted(ws: Workspace, proc: StageProc) -> str | None:
     """Why a Slurm job that ended was interrupted rather than ended by its stage (its time limit, a preemption,
     its node), when the stage allows a requeue; None otherwise."""
-    job = ws.stage(proc.stage).executor
-    if not proc.is_job or not isinstance(job, SlurmSettings) or not job.requeue or proc.stop_requested:
+    if not requeues(ws, proc) or proc.stop_requested:
         return None
     limit = limit_text(proc.job_limit_s)
     if proc.job_state == "TIMEOUT":
