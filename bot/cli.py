@@ -244,8 +244,8 @@ def cmd_why(args) -> int:
 
 
 def probe_arguments(parser: argparse.ArgumentParser) -> None:
-    """`probe`'s flags live with the probe (`python -m pipeline.observe.probes.remote`, the same program)."""
-    from pipeline.observe.probes.remote import add_arguments
+    """`probe`'s flags live with the probe (`python -m pipeline.observe.nodeprobe`, the same program)."""
+    from pipeline.observe.nodeprobe import add_arguments
     add_arguments(parser)
 
 
@@ -253,7 +253,7 @@ def probe_arguments(parser: argparse.ArgumentParser) -> None:
          example="(run by the monitor on a job's nodes through `srun --overlap`, not by hand)",
          args=probe_arguments)
 def cmd_probe(args) -> int:
-    from pipeline.observe.probes.remote import main
+    from pipeline.observe.nodeprobe import main
     return main(args)
 
 

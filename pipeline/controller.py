@@ -14,6 +14,7 @@ from pipeline.errors import StageError, UserError
 from pipeline.handoff import completion
 from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.observe import forensics
+from pipeline.observe.probes.remote import run_on_nodes
 from pipeline.stages.logfile import tail_lines
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
 from pipeline.states import MAYBE_ALIVE_STATES, HandoffState, StageProc, StageState, StateVersion
@@ -446,8 +447,15 @@ class Controller:
         return ev, forensics.keep(self.ws, ev, run)
 
     def logs(self, stage: str, *, lines: int = 50) -> tuple[Path, list[str]]:
-        """The last lines of a stage's log."""
+        """The last lines of a stage's log; for a running Slurm job whose log is not on a filesystem this host sees,
+        read where its batch script runs, through `srun --overlap`."""
         self._check_stage(stage)
         proc = self.store.latest_proc(stage)
         path = self.ws.for_run(proc.run_id if proc else None).log_path(stage)
-        return path, tail_lines(path, lines)
+        if proc is None or path.exists() or not (proc.is_job and proc.state == StageState.RUNNING and proc.job_host):
+            return path, tail_lines(path, lines)
+        got = run_on_nodes(proc.job_id or "", proc.job_host, ["--tail", str(path), "--lines", str(lines)])
+        if isinstance(got, str) or "error" in got[0]:
+            raise UserError(f"{stage}: {path} is not on this host, and reading it on {proc.job_host} failed: "
+                            f"{got if isinstance(got, str) else got[0]['error']}")
+        return path, got[0]["lines"]

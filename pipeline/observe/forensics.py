@@ -34,8 +34,10 @@ import psutil
 from pipeline.config import Workspace
 from pipeline.observe.probes.client_state import ask as ask_client
 from pipeline.observe.probes.process import group_processes
+from pipeline.observe.probes.remote import job_processes, node_name, run_on_nodes
 from pipeline.stages.logfile import tail_lines
-from pipeline.states import StageProc
+from pipeline.stages.slurm import is_local_host
+from pipeline.states import StageProc, StageState
 from pipeline.store import Store
 from pipeline.train import flight
 from pipeline.verdict import fmt_bytes, fmt_s
@@ -319,40 +321,85 @@ def client_summary(state: dict | None, load: ServerLoad | None, now: float) -> l
     return lines
 
 
+def stacks(procs: list[psutil.Process], *, native: bool, timeout_s: float, where: str = "") -> dict:
+    """The processes listed (pid, rank, state, command) and the Python ones' stacks read by py-spy in parallel:
+    {"listing": [...], "dumps": [[pid, " (rank N)", dump, why], ...]}; `where` (" on NODE") names the node."""
+    listing, ranks = [], {p.pid: _rank(p) for p in procs}
+    for p in procs:
+        try:
+            listing.append(f"pid {p.pid}{ranks[p.pid]}{where} {p.status():<9} {' '.join(p.cmdline())[:200]}")
+        except psutil.Error as exc:
+            listing.append(f"pid {p.pid}{where}: {type(exc).__name__}")
+    pythons = [p for p in procs if _python(p)]
+    binary = pyspy_binary()
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(pythons)))) as pool:
+        dumps = list(pool.map(lambda p: [p.pid, ranks[p.pid] + where, *dump_stack(
+            p.pid, binary=binary, timeout_s=timeout_s, native=native)], pythons))
+    return {"listing": listing, "dumps": dumps}
+
+
+def node_stacks(job_id: str, *, native: bool, timeout_s: float, flight_dir: str | None) -> dict:
+    """On one of a Slurm job's nodes (`eagle3 probe --stacks`, through `srun --overlap`): the job's processes here
+    and their stacks, after knocking on this node's ranks' flight recorders (a FIFO is its node's own)."""
+    node = node_name()
+    procs, _ = job_processes(job_id, node)
+    knocked = flight.request_dumps(Path(flight_dir)) if flight_dir else []
+    return {"node": node, "knocked": knocked, **stacks(procs[:MAX_PROCESSES], native=native, timeout_s=timeout_s,
+                                                       where=f" on {node}")}
+
+
+def _job_stacks(ws: Workspace, proc: StageProc, *, native: bool, timeout_s: float) -> tuple[list[dict], str | None]:
+    """The stacks of a running Slurm job's processes, read on its nodes (here, where it runs on this host)."""
+    fr_dir = str(ws.flight_dir(proc.run_id)) if proc.stage == "train" else None
+    nodes = proc.job_nodes or proc.job_host
+    if not nodes:
+        return [], f"Slurm job {proc.job_id} has no node yet"
+    if is_local_host(nodes):
+        return [node_stacks(proc.job_id or "", native=native, timeout_s=timeout_s, flight_dir=fr_dir)], None
+    args = ["--stacks", "--timeout", f"{timeout_s:g}"] + (["--native"] if native else []) + (
+        ["--flight-dir", fr_dir] if fr_dir else [])
+    got = run_on_nodes(proc.job_id or "", nodes, args, timeout_s=timeout_s + 15)
+    return (got, None) if isinstance(got, list) else ([], got)
+
+
 def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_BUDGET_S, clock=time.time,
            native: bool = False) -> Evidence:
-    """Everything this module gathers about `stage`, now, within `budget_s` (`native`: see `dump_stack`)."""
+    """Everything this module gathers about `stage`, now, within `budget_s` (`native`: see `dump_stack`). A Slurm
+    job's processes are read on their own nodes, through `srun --overlap` (pipeline/observe/probes/remote.py)."""
     started = time.monotonic()
     ev = Evidence(stage=stage, t=clock())
     proc = store.latest_proc(stage)
     procs = _processes(proc)
-    binary = pyspy_binary()
-    if not procs:
-        ev.summary.append(f"{stage}: no live process to read (not started, or ended)")
-    listing, ranks = [], {p.pid: _rank(p) for p in procs}
-    for p in procs:
-        try:
-            listing.append(f"pid {p.pid}{ranks[p.pid]} {p.status():<9} {' '.join(p.cmdline())[:200]}")
-        except psutil.Error as exc:
-            listing.append(f"pid {p.pid}: {type(exc).__name__}")
-    if listing:
-        ev.sections.append((f"{len(procs)} process(es) of {stage}", "\n".join(listing)))
-    pythons = [p for p in procs if _python(p)]
-    knocked, fr_dir, knocked_at = None, ws.flight_dir(proc.run_id if proc else None), time.time()
+    fr_dir, knocked_at = ws.flight_dir(proc.run_id if proc else None), time.time()
+    knocked = None
     if stage == "train" and procs:  # knocked first: the ranks dump while py-spy reads their stacks
         knocked = flight.request_dumps(fr_dir)
     left = max(1.0, budget_s - (time.monotonic() - started))
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(pythons)))) as pool:
-        dumps = list(pool.map(lambda p: (p.pid, *dump_stack(p.pid, binary=binary, timeout_s=min(PYSPY_TIMEOUT_S, left),
-                                                            native=native)), pythons))
-    reasons = sorted({why for _, _, why in dumps if why})
-    where = [f"pid {pid}{ranks[pid]} in {innermost(text)}" for pid, text, _ in dumps if text and innermost(text)]
+    if proc is not None and proc.is_job and proc.state == StageState.RUNNING and proc.job_id:
+        nodes, why = _job_stacks(ws, proc, native=native, timeout_s=min(PYSPY_TIMEOUT_S, left))
+        if why:
+            ev.summary.append(f"{stage}: its processes could not be read on its nodes: {why}")
+        if stage == "train" and nodes:
+            knocked = sorted({r for n in nodes for r in n.get("knocked") or []})
+        read = {"listing": [x for n in nodes for x in n.get("listing") or []],
+                "dumps": [d for n in nodes for d in n.get("dumps") or []]}
+        count = len(read["listing"])
+    else:
+        read = stacks(procs, native=native, timeout_s=min(PYSPY_TIMEOUT_S, left))
+        count = len(procs)
+    if not count:
+        ev.summary.append(f"{stage}: no live process to read (not started, or ended)")
+    if read["listing"]:
+        ev.sections.append((f"{count} process(es) of {stage}", "\n".join(read["listing"])))
+    dumps = read["dumps"]
+    reasons = sorted({why for _, _, _, why in dumps if why})
+    where = [f"pid {pid}{rank} in {innermost(text)}" for pid, rank, text, _ in dumps if text and innermost(text)]
     if where:
         ev.summary.append(f"{stage}: " + "; ".join(where[:8]) + ("; …" if len(where) > 8 else ""))
     for reason in reasons:
         ev.summary.append(f"stacks: {reason}")
-    for pid, text, why in dumps:
-        ev.sections.append((f"stack of pid {pid}{ranks[pid]} (py-spy dump)", text or why or "empty"))
+    for pid, rank, text, why in dumps:
+        ev.sections.append((f"stack of pid {pid}{rank} (py-spy dump)", text or why or "empty"))
     if knocked is not None:
         ev.summary += [f"collectives: {line}" for line in _collectives(fr_dir, knocked, knocked_at, started, budget_s)]
         ev.sections.append(("the flight recorder (PyTorch), each rank's last collectives", _entries(fr_dir, knocked)))

@@ -299,6 +299,8 @@ def test_a_remote_stage_stopped_with_sigstop_is_stalled_by_its_nodes_readings(tw
             st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "stalled" and s,
                           timeout=45, what="the stalled verdict")
             took = time.time() - stopped_at
+            why = eagle3("why", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF})  # its stacks, read there
+            logs = eagle3("logs", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF})
         finally:
             for p in procs:
                 p.resume()
@@ -306,6 +308,11 @@ def test_a_remote_stage_stopped_with_sigstop_is_stalled_by_its_nodes_readings(tw
         assert f"on e3n1: {len(procs)} of {len(procs)} process(es) stopped" in reasons, reasons
         assert "processes read through srun --overlap on e3n1" in reasons, reasons
         assert took < 6 + 3 * 1 + 10, took  # the deadline (stall_floor_s), a remote reading's age, a tick's slack
+        assert why.returncode == 0, why.stderr
+        assert re.search(r"stack of pid \d+ on e3n1 \(py-spy dump\)", why.stdout), why.stdout[-3000:]
+        assert re.search(r"pid \d+ on e3n1 stopped .*fake_extract\.py", why.stdout), why.stdout[-3000:]
+        assert re.search(r"extract: pid \d+ on e3n1 in <module> \(fake_extract\.py:\d+\)", why.stdout), why.stdout
+        assert logs.returncode == 0 and "sample " in logs.stdout, logs
         wait_for(lambda: status_json(cfg)["stages"]["extract"]["verdict"] == "progressing", timeout=60,
                  what="the recovery once resumed")
     finally:

@@ -14,7 +14,6 @@ on the cluster); between two, the last is shown with its age.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -34,6 +33,7 @@ from pipeline.stages.slurm import is_local_host
 from pipeline.states import StageProc
 
 PROBE_ENV = "EAGLE3_PROBE"  # set in the probe's own step: its processes are not the stage's
+NODE_PROGRAM = "pipeline.observe.nodeprobe"  # `eagle3 probe`, run on the nodes
 SRUN_TIMEOUT_S = 30.0
 VIA = "srun --overlap"
 
@@ -60,10 +60,15 @@ def job_processes(job_id: str, node: str | None = None) -> tuple[list[psutil.Pro
     return out, gpus
 
 
+def node_name() -> str:
+    """This node's name as Slurm knows it (SLURMD_NODENAME, inside a job's step), else the short host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+
+
 def node_reading(job_id: str, *, files_dir: str | None = None, suffix: str = "", fake_gpus: int = 0) -> dict:
     """What `eagle3 probe --json` prints on one node: its name, the time, the job's processes' totals, the job's
     GPUs (NVML; `fake_gpus` idle ones in tests), the output directory's files; unknown parts under "unknown"."""
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    node = node_name()
     members, held = job_processes(job_id, node)
     out: dict = {"node": node, "t": round(time.time(), 3), **totals(members)}
     unknown: dict[str, str] = {}
@@ -159,57 +164,42 @@ class RemoteProbe:
         if is_local_host(nodes):  # this host: read here, no step launched on the cluster
             return combine([node_reading(row.job_id or "", files_dir=files_dir, suffix=suffix,
                                          fake_gpus=self.fake_gpus)]), "this host"
-        argv = ["srun", "--overlap", f"--jobid={row.job_id}", f"--nodelist={nodes}", "--ntasks-per-node=1",
-                "--quiet", f"--export=ALL,{PROBE_ENV}=1", self.python, "-m", __name__, "--json", "--job", row.job_id or ""]
-        if files_dir:
-            argv += ["--files", files_dir] + (["--suffix", suffix] if suffix else [])
-        if self.fake_gpus:
-            argv += ["--fake-gpus", str(self.fake_gpus)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        args = (["--files", files_dir] + (["--suffix", suffix] if suffix else []) if files_dir else []) + (
+            ["--fake-gpus", str(self.fake_gpus)] if self.fake_gpus else [])
+        got = run_on_nodes(row.job_id or "", nodes, args, timeout_s=self.timeout_s, python=self.python)
+        return (combine(got), f"{VIA} on {nodes}") if isinstance(got, list) else got
+
+
+def run_on_nodes(job_id: str, nodes: str, args: list[str], *, timeout_s: float = SRUN_TIMEOUT_S,
+                 python: str = sys.executable) -> list[dict] | str:
+    """`eagle3 probe --json --job JOB ARGS` on each of the job's `nodes`, inside its allocation (`srun --overlap`):
+    one JSON object a node, or why they could not be read (srun's own words)."""
+    argv = ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={nodes}", "--ntasks-per-node=1", "--quiet",
+            f"--export=ALL,{PROBE_ENV}=1", python, "-m", NODE_PROGRAM, "--json", "--job", job_id, *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=_root())
+    except FileNotFoundError:
+        return "cannot read the job's nodes: `srun` is not on PATH"
+    except subprocess.TimeoutExpired:
+        return f"`{VIA}` on {nodes} did not answer within {timeout_s:.0f} s"
+    except OSError as exc:
+        return f"cannot run srun: {exc.strerror}"
+    lines = []
+    for text in r.stdout.splitlines():
         try:
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s, env=env,
-                               cwd=_root())
-        except FileNotFoundError:
-            return "cannot read the job's nodes: `srun` is not on PATH"
-        except subprocess.TimeoutExpired:
-            return f"`{VIA}` on {nodes} did not answer within {self.timeout_s:.0f} s"
-        except OSError as exc:
-            return f"cannot run srun: {exc.strerror}"
-        lines = []
-        for text in r.stdout.splitlines():
-            try:
-                line = json.loads(text)
-            except ValueError:
-                continue
-            if isinstance(line, dict) and "node" in line:
-                lines.append(line)
-        if r.returncode != 0 or not lines:
-            said = next((x.strip() for x in r.stderr.splitlines() if x.strip()), "") or f"exit status {r.returncode}"
-            return f"`{VIA}` on {nodes} failed: {said}"
-        return combine(lines), f"{VIA} on {nodes}"
+            line = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and "node" in line:
+            lines.append(line)
+    if r.returncode != 0 or not lines:
+        said = next((x.strip() for x in r.stderr.splitlines() if x.strip()), "") or f"exit status {r.returncode}"
+        return f"`{VIA}` on {nodes} failed: {said}"
+    return lines
 
 
 def _root() -> str:
     """The directory the probe runs from (the project's, where it is not installed as a package)."""
     return str(Path(__file__).resolve().parents[3])
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`eagle3 probe`'s flags (the same program as `python -m pipeline.observe.probes.remote`)."""
-    parser.add_argument("--json", action="store_true", help="one JSON line (the only output there is)")
-    parser.add_argument("--job", required=True, help="the Slurm job id whose processes are read")
-    parser.add_argument("--files", default=None, metavar="DIR", help="the stage's output directory: its files counted")
-    parser.add_argument("--suffix", default="", help="only files with this suffix")
-    parser.add_argument("--fake-gpus", type=int, default=0, metavar="N", help="N idle scripted GPUs in place of NVML")
-
-
-def main(args: argparse.Namespace) -> int:
-    """Print this node's reading of the job as one JSON line."""
-    print(json.dumps(node_reading(args.job, files_dir=args.files, suffix=args.suffix, fake_gpus=args.fake_gpus)))
-    return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="eagle3 probe")
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
