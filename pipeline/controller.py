@@ -16,6 +16,7 @@ from pipeline.handoff.machine import Handoff, handoff_state
 from pipeline.observe import forensics
 from pipeline.observe.probes.remote import run_on_nodes
 from pipeline.stages.logfile import tail_lines
+from pipeline.stages.slurm import is_local_host
 from pipeline.stages.supervisor import STOP_GRACE_S, StopResult, Supervisor
 from pipeline.states import MAYBE_ALIVE_STATES, HandoffState, StageProc, StageState, StateVersion
 from pipeline.status import READING_KEYS, AutostartResult, RunStatus, StageStatus
@@ -452,10 +453,14 @@ class Controller:
         self._check_stage(stage)
         proc = self.store.latest_proc(stage)
         path = self.ws.for_run(proc.run_id if proc else None).log_path(stage)
-        if proc is None or path.exists() or not (proc.is_job and proc.state == StageState.RUNNING and proc.job_host):
+        remote = proc is not None and proc.is_job and proc.state == StageState.RUNNING and bool(proc.job_host) \
+            and not is_local_host(proc.job_host)
+        if not remote or proc is None or proc.job_host is None:
             return path, tail_lines(path, lines)
         got = run_on_nodes(proc.job_id or "", proc.job_host, ["--tail", str(path), "--lines", str(lines)])
-        if isinstance(got, str) or "error" in got[0]:
-            raise UserError(f"{stage}: {path} is not on this host, and reading it on {proc.job_host} failed: "
-                            f"{got if isinstance(got, str) else got[0]['error']}")
-        return path, got[0]["lines"]
+        if isinstance(got, list) and "lines" in got[0]:
+            return path, got[0]["lines"]
+        if path.exists():  # a shared filesystem: the same file, read here
+            return path, tail_lines(path, lines)
+        raise UserError(f"{stage}: {path} is not on this host, and reading it on {proc.job_host} failed: "
+                        f"{got if isinstance(got, str) else got[0].get('error')}")

@@ -343,9 +343,39 @@ def node_stacks(job_id: str, *, native: bool, timeout_s: float, flight_dir: str 
     and their stacks, after knocking on this node's ranks' flight recorders (a FIFO is its node's own)."""
     node = node_name()
     procs, _ = job_processes(job_id, node)
+    knocked_at = time.time()
     knocked = flight.request_dumps(Path(flight_dir)) if flight_dir else []
-    return {"node": node, "knocked": knocked, **stacks(procs[:MAX_PROCESSES], native=native, timeout_s=timeout_s,
-                                                       where=f" on {node}")}
+    out = {"node": node, "knocked": knocked, **stacks(procs[:MAX_PROCESSES], native=native, timeout_s=timeout_s,
+                                                      where=f" on {node}")}
+    if flight_dir and knocked:  # the dumps as this node wrote them: the controller may not share this directory
+        deadline = knocked_at + FLIGHT_WAIT_S
+        while not all(isinstance(d, dict) for d in flight.read_dumps(Path(flight_dir), knocked,
+                                                                     since=knocked_at - 1.0).values()):
+            if time.time() >= deadline:
+                break
+            time.sleep(0.1)
+        out["flight"] = {}
+        for rank in knocked:
+            try:
+                out["flight"][str(rank)] = (Path(flight_dir) / f"rank_{rank}{flight.DUMP_SUFFIX}").read_text()
+            except OSError:
+                continue
+    return out
+
+
+def _copy_dumps(fr_dir: Path, nodes: list[dict], since: float) -> None:
+    """The ranks' dumps read on their nodes, written here where this host's copy is missing or older (a state
+    directory the nodes do not share); on a shared one they are the same files, left as they are."""
+    for node in nodes:
+        for rank, text in (node.get("flight") or {}).items():
+            path = fr_dir / f"rank_{rank}{flight.DUMP_SUFFIX}"
+            try:
+                if path.exists() and path.stat().st_mtime >= since - 1.0:
+                    continue
+                fr_dir.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            except OSError:
+                continue
 
 
 def _job_stacks(ws: Workspace, proc: StageProc, *, native: bool, timeout_s: float) -> tuple[list[dict], str | None]:
@@ -381,6 +411,7 @@ def gather(ws: Workspace, store: Store, stage: str, *, budget_s: float = GATHER_
             ev.summary.append(f"{stage}: its processes could not be read on its nodes: {why}")
         if stage == "train" and nodes:
             knocked = sorted({r for n in nodes for r in n.get("knocked") or []})
+            _copy_dumps(fr_dir, nodes, knocked_at)
         read = {"listing": [x for n in nodes for x in n.get("listing") or []],
                 "dumps": [d for n in nodes for d in n.get("dumps") or []]}
         count = len(read["listing"])

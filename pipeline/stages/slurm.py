@@ -187,6 +187,51 @@ def submit(script: Path, *, env: dict[str, str]) -> str:
     return job
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _tres_number(key: str, text: str) -> float | None:
+    """One TRES figure of sstat's TresUsageInTot: cpu as seconds ("1-02:03:04", "00:00:03", "01:02.500"), memory
+    as bytes ("14796K"), the rest as numbers."""
+    if key == "cpu":
+        m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)", text)
+        if not m:
+            return None
+        days, hours, minutes = (int(g or 0) for g in m.groups()[:3])
+        return ((days * 24 + hours) * 60 + minutes) * 60 + float(m.group(4))
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", text)
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else None
+
+
+def sstat(job_id: str) -> dict | str:
+    """Slurm's own accounting of a running job (`sstat`, where the cluster gathers it: JobAcctGatherType): its
+    steps' CPU time and memory added up, and GPU utilisation and memory where the cluster tracks them; else why
+    not. Never raises."""
+    try:
+        r = _run(["sstat", "-a", "-n", "-P", "-j", job_id, "-o", "JobID,TresUsageInTot"])
+    except SlurmError as exc:
+        return str(exc)
+    totals: dict[str, float] = {}
+    steps = 0
+    for line in r.stdout.splitlines():
+        _, _, tres = line.partition("|")
+        if not tres.strip():
+            continue
+        steps += 1
+        for key, _, value in (item.partition("=") for item in tres.split(",")):
+            number = _tres_number(key, value)
+            if number is not None:
+                totals[key] = totals.get(key, 0.0) + number
+    if r.returncode != 0 or not steps:
+        return f"sstat has no figures for job {job_id}: {_first_line(r.stderr) or 'no step accounted (JobAcctGatherType)'}"
+    out: dict = {"cpu_s": round(totals.get("cpu", 0.0), 3), "mem_bytes": int(totals.get("mem", 0)), "steps": steps}
+    if "gres/gpuutil" in totals:
+        out["gpu_util"] = totals["gres/gpuutil"]
+    if "gres/gpumem" in totals:
+        out["gpu_mem_bytes"] = int(totals["gres/gpumem"])
+    return out
+
+
 def node_state(node: str) -> str | None:
     """A node's state and Slurm's reason for it ("DOWN+NOT_RESPONDING (Not responding)"); None if unknown."""
     try:

@@ -342,6 +342,9 @@ def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an
         st = wait_for(lambda: (s := status_json(cfg)["stages"]["train"])["state"] == "running" and s, timeout=60,
                       what="the 2-node job to run")
         assert st["nodes"] == "e3n[1-2]", st
+        wait_for(lambda: (ckpt / "progress.jsonl").exists() and len(progress_rows(ckpt)) >= 2, timeout=60,
+                 what="two steps")
+        why = eagle3("why", "train", "--config", str(cfg), env={"SLURM_CONF": CONF})  # each rank read on its node
         requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=120, what="the requeue at the limit")
         job = st["job"]
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True)  # the rest runs whole
@@ -349,6 +352,10 @@ def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an
                       interval=1, what="the resumed training to end")
     finally:
         out = end_serve(svc, cfg)
+    assert why.returncode == 0, why.stderr
+    for node in NODES:
+        assert re.search(rf"stack of pid \d+ \(rank [01]\) on {node} \(py-spy dump\)", why.stdout), why.stdout[-4000:]
+    assert "collectives: " in why.stdout and "rank 0, process group 0: last enqueued #" in why.stdout, why.stdout[-4000:]
     ref_out = reference.communicate(timeout=120)[0]
     assert reference.returncode == 0, ref_out[-2000:]
     assert st["exit_code"] == 0 and st["job"] == job, (st, out[-3000:])
@@ -397,3 +404,26 @@ def test_a_nodes_death_mid_job_is_node_fail_a_requeue_and_one_message(two_nodes,
     said = [line for line in out_text.splitlines() if "requeued by Slurm" in line]
     assert len(said) == 1 and f"extract lost node {dead}" in said[0], out_text[-3000:]
     assert not [line for line in out_text.splitlines() if "is dead" in line or "is stalled" in line], out_text[-3000:]
+
+
+def test_where_srun_cannot_read_the_nodes_sstat_speaks_and_says_so(two_nodes, tmp_path):
+    """The nodes cannot be read (here: the probe's interpreter is missing there): CPU time and memory come from
+    Slurm's own accounting, named as the source, with srun's reason; never a zero."""
+    from pipeline.observe.probes.remote import RemoteProbe
+    from pipeline.states import StageProc, StageState
+
+    job = subprocess.run(["sbatch", "--parsable", "--partition=two", "--nodelist=e3n2", "--output=/dev/null",
+                          "--wrap", "python3 -c 'while True: pass'"], capture_output=True, text=True, check=True)
+    job_id = job.stdout.strip()
+    try:
+        wait_for(lambda: job_field(job_id, "JobState") == "RUNNING", timeout=60, what="the job to run")
+        row = StageProc(id=1, stage="extract", state=StageState.RUNNING, executor="slurm", job_id=job_id,
+                        job_nodes="e3n2")
+        reading = wait_for(lambda: (r := RemoteProbe(every_s=1, python="/nonexistent/python").read(row)).value.get(
+            "cpu_s") and r, timeout=30, what="sstat to account some CPU")
+        assert reading.value["remote"]["via"] == "sstat (Slurm's accounting)" and reading.value["mem_bytes"] > 0
+        assert "`srun --overlap` on e3n2 failed" in reading.unknown and "from sstat" in reading.unknown, reading
+        good = RemoteProbe(every_s=1).read(row)  # and the nodes' own reading where srun can run it
+        assert good.unknown is None and good.value["remote"]["via"] == "srun --overlap on e3n2", good
+    finally:
+        subprocess.run(["scancel", job_id])

@@ -109,6 +109,8 @@ InactiveLimit=0
 SlurmdTimeout=10
 JobRequeue=1
 SchedulerParameters=bf_interval=2,sched_interval=2
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=2
 NodeName=$HOST NodeAddr=$1 CPUs=16 RealMemory=16000 Gres=gpu:4 State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 CONF

@@ -29,6 +29,7 @@ from pipeline.observe.probes import Reading
 from pipeline.observe.probes.files import FileScanner
 from pipeline.observe.probes.gpu import nvml_or_fake
 from pipeline.observe.probes.process import totals
+from pipeline.stages import slurm
 from pipeline.stages.slurm import is_local_host
 from pipeline.states import StageProc
 
@@ -143,7 +144,12 @@ class RemoteProbe:
             if isinstance(got, str):
                 why = f"{got}; Slurm says job {job} is running" + (
                     f" (the last reading, {now - held[0]:.0f}s old, is not used)" if held else "")
-                return Reading(t=now, value=base, unknown=why)
+                second = slurm.sstat(job)  # Slurm's own accounting speaks where the nodes could not be read
+                if isinstance(second, dict):
+                    return Reading(t=now, value={**base, **second, "remote": {
+                        "via": "sstat (Slurm's accounting)", "age_s": 0.0, "nodes": {}}},
+                        unknown=f"{why}; CPU time and memory from sstat (Slurm's accounting)")
+                return Reading(t=now, value=base, unknown=f"{why}; {second}")
             with self._lock:
                 held = self._last[job] = (self.clock(), got[0], got[1])
         t, value, how = held

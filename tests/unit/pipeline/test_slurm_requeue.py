@@ -182,3 +182,13 @@ def test_node_readings_combine_into_one_process_section():
     assert (value["members"], value["cpu_s"], value["io_write_bytes"], value["stopped"], value["disk_wait"]) == (
         5, 3.5, None, 1, 1)  # one node's bytes unknown: the total is unknown, never a part shown as all
     assert set(value["remote_nodes"]) == {"a", "b"} and value["remote_gpus"] == [{"index": 0}]
+
+
+def test_sstats_figures_are_added_up_over_the_jobs_steps(monkeypatch):
+    out = ("41.batch|cpu=00:01:03,energy=0,fs/disk=1690063,mem=14796K,pages=4,vmem=19156K\n"
+           "41.0|cpu=1-00:00:01.500,mem=2G,gres/gpuutil=180,gres/gpumem=3G\n")
+    monkeypatch.setattr(slurm, "_run", lambda argv, **_: subprocess.CompletedProcess(argv, 0, out, ""))
+    assert slurm.sstat("41") == {"cpu_s": 63 + 86401.5, "mem_bytes": 14796 * 1024 + 2 * 2**30, "steps": 2,
+                                 "gpu_util": 180.0, "gpu_mem_bytes": 3 * 2**30}
+    monkeypatch.setattr(slurm, "_run", lambda argv, **_: subprocess.CompletedProcess(argv, 0, "", ""))
+    assert "no step accounted (JobAcctGatherType)" in slurm.sstat("41")
