@@ -217,6 +217,8 @@ LONGEST_FIRST = (
     "test_demo.py::test_demo_tells_the_whole_story",
     "test_production_path.py::test_the_guides_production_path",
     "test_whole_run.py::test_a_whole_demo_run_told_in_a_channel",
+    # mostly waiting on Slurm (its time limit, a requeue's hold, a node's timeout): begun early, it overlaps the rest
+    "test_slurm.py::test_a_two_node_training_hits_its_time_limit",
     "test_handoff.py::test_service_death_at_each_step",
     "test_train.py::test_torchrun_learns_the_target",
     "test_operating.py::test_stop_start_crash_and_relaunch",
