@@ -310,6 +310,7 @@ class Diagnoser:
             return self._ended(t, process, prog, obs.get("done_when"))
         if process.get("queued"):  # waiting for Slurm's allocation: the startup window begins when it runs
             self.first_t = t
+            self.last_progress_at = None  # requeued: the wait and the start again are no gap between progress
             return self._base(t, prog, verdict="starting", reasons=(
                 f"{process.get('queue_reason') or 'queued in Slurm'} — waiting for its allocation, not a stall",))
         if process.get("alive") is None and not prog and not obs.get("server"):

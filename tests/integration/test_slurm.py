@@ -365,6 +365,7 @@ def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an
     assert requeued[0]["resume_step"] == saved and "reached its 1m time limit" in requeued[0]["why"], requeued
     said = [line for line in out.splitlines() if "requeued by Slurm" in line]
     assert len(said) == 1 and f"resumes from step {saved}" in said[0], out[-3000:]
+    assert not [line for line in out.splitlines() if "is dead" in line or "is stalled" in line], out[-3000:]
     rows = progress_rows(ckpt)
     assert [r["step"] for r in rows] == list(range(1, 51)), "steps must not repeat or skip across the requeue"
     final = progress_rows(tmp_path / "reference")[-1]

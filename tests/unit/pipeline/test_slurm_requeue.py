@@ -114,6 +114,7 @@ def test_an_interrupted_end_is_submitted_again_at_once_up_to_the_limit(train_ws)
     ({"job_state": "TIMEOUT", "job_limit_s": 60.0}, "reached its 1m time limit"),
     ({"job_state": "PREEMPTED"}, "was preempted"),
     ({"job_state": "NODE_FAIL", "job_nodes": "gpu-7"}, "lost its node gpu-7 (NODE_FAIL)"),
+    ({"job_state": "NODE_FAIL", "job_nodes": "gpu-[7-8]"}, "lost one of its nodes gpu-[7-8] (NODE_FAIL)"),
     ({"job_state": "FAILED", "exit_code": slurm.LIMIT_EXIT, "job_limit_s": 5400.0},
      "stopped at the warning before its 1h30m time limit"),
     ({"job_state": "FAILED", "exit_code": 1}, None),
@@ -139,6 +140,21 @@ def test_an_interrupted_job_is_stopped_not_dead_so_no_alert_is_raised():
     v = d.feed({"t": 10.0, "stage": "train", "process": {"alive": False, "exit_code": -9,
                                                            "interrupted": "reached its 1m time limit"}})
     assert v.verdict == "stopped" and "submitted again" in v.reasons[0]
+
+
+def test_a_requeued_jobs_wait_and_start_again_are_no_stall():
+    """Progress, then Slurm requeues the job (queued for two minutes, its hold), then it runs again and starts up:
+    no stall is called for the wait, and the wait is not learned as a gap between progress."""
+    d = Diagnoser(stage="train")
+    for t in range(0, 61, 5):
+        d.feed({"t": float(t), "stage": "train", "process": {"alive": True}, "progress": {"done": t, "total": 999}})
+    for t in range(65, 186, 5):
+        assert d.feed({"t": float(t), "stage": "train", "process": {"alive": True, "queued": True},
+                       "progress": {"done": 60, "total": 999}}).verdict == "starting"
+    v = d.feed({"t": 215.0, "stage": "train", "process": {"alive": True}, "progress": {"done": 60, "total": 999}})
+    assert v.verdict == "starting", v
+    v = d.feed({"t": 220.0, "stage": "train", "process": {"alive": True}, "progress": {"done": 61, "total": 999}})
+    assert v.verdict == "progressing" and max(d.gaps) <= 5.0, (v, d.gaps)
 
 
 def test_the_time_limit_warning_at_a_tenth_left_when_the_eta_is_past_it():
