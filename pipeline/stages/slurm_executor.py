@@ -198,8 +198,8 @@ def interrupted(ws: Workspace, proc: StageProc) -> str | None:
     if proc.job_state == "PREEMPTED":
         return "was preempted"
     if proc.job_state == "NODE_FAIL":
-        where = proc.job_nodes or proc.job_host
-        several = bool(where) and ("," in where or "[" in where)
+        where = proc.job_nodes or proc.job_host or ""
+        several = "," in where or "[" in where
         return f"lost {'one of its nodes' if several else 'its node'}{f' {where}' if where else ''} (NODE_FAIL)"
     if proc.exit_code == slurm.LIMIT_EXIT:
         return f"stopped at the warning before {limit}"

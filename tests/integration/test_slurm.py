@@ -21,6 +21,8 @@ from tests.conftest import (
     FIXTURES,
     ROOT,
     SLURM_BOOTSTRAP,
+    TRAIN_SMALL,
+    TRAIN_STEPS,
     eagle3,
     fixture_argv,
     shared_dir,
@@ -281,7 +283,7 @@ def test_a_remote_stage_stopped_with_sigstop_is_stalled_by_its_nodes_readings(tw
     try:
         assert eagle3("start", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
         st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "progressing" and s,
-                      timeout=90, what="the remote extraction to progress")
+                      timeout=90, what="the remote extraction to progress", interval=0.5)
         assert st["nodes"] == "e3n1" and st["job"], st
         with Controller.open(str(cfg)) as ctl:
             obs = ctl.store.latest_observation("extract")
@@ -297,7 +299,7 @@ def test_a_remote_stage_stopped_with_sigstop_is_stalled_by_its_nodes_readings(tw
         stopped_at = time.time()
         try:
             st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "stalled" and s,
-                          timeout=45, what="the stalled verdict")
+                          timeout=45, what="the stalled verdict", interval=0.5)
             took = time.time() - stopped_at
             why = eagle3("why", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF})  # its stacks, read there
             logs = eagle3("logs", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF})
@@ -314,38 +316,35 @@ def test_a_remote_stage_stopped_with_sigstop_is_stalled_by_its_nodes_readings(tw
         assert re.search(r"extract: pid \d+ on e3n1 in <module> \(fake_extract\.py:\d+\)", why.stdout), why.stdout
         assert logs.returncode == 0 and "sample " in logs.stdout, logs
         wait_for(lambda: status_json(cfg)["stages"]["extract"]["verdict"] == "progressing", timeout=60,
-                 what="the recovery once resumed")
+                 what="the recovery once resumed", interval=0.5)
     finally:
         end_serve(svc, cfg)
 
 
 def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an_uninterrupted_run(
-        two_nodes, toy_extraction, tmp_path):
+        two_nodes, toy_extraction, tmp_path, request):
     """torchrun under srun on both nodes (c10d rendezvous on the first), with a 1-minute limit: Slurm's warning
     (USR1) makes it checkpoint, the job requeues itself, the channel says so once, and the run resumes from the
     saved step to the same final loss as an uninterrupted run beside it, and exports its draft."""
-    from tests.integration.test_train import SMALL, torchrun
-
     data, target = str(toy_extraction["out"]), str(toy_extraction["target"])
-    steps = ["--steps", "50", *SMALL]
-    reference = torchrun("--data", data, "--target-model", target, *steps, "--out", str(tmp_path / "reference"))
+    steps = ["--steps", str(TRAIN_STEPS), *TRAIN_SMALL]
     ckpt = tmp_path / "ckpt"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
             str(FIXTURES / "slow_train.py"), "--data", data, "--target-model", target, *steps, "--out", str(ckpt)]
     cfg = slurm_ws(tmp_path, {"train": (argv, f'out = "{ckpt}"\nnodes = 2\nlimit_signal_s = 15\nmax_restarts = 3\n'
                                               'slurm_args = ["--partition=two", "--time=1"]\n'
-                                              'env = { SLOW_STEP_S = "1", OMP_NUM_THREADS = "1", CUDA_VISIBLE_DEVICES = "" }')})
+                                              'env = { SLOW_STEP_S = "1.5", OMP_NUM_THREADS = "1", CUDA_VISIBLE_DEVICES = "" }')})
     svc = serve(cfg)
     try:
         r = eagle3("start", "train", "--force", "--config", str(cfg), env={"SLURM_CONF": CONF})  # no extraction here
         assert r.returncode == 0, r.stderr
         st = wait_for(lambda: (s := status_json(cfg)["stages"]["train"])["state"] == "running" and s, timeout=60,
-                      what="the 2-node job to run")
+                      what="the 2-node job to run", interval=0.5)
         assert st["nodes"] == "e3n[1-2]", st
         wait_for(lambda: (ckpt / "progress.jsonl").exists() and len(progress_rows(ckpt)) >= 2, timeout=60,
-                 what="two steps")
+                 what="two steps", interval=0.5)
         why = eagle3("why", "train", "--config", str(cfg), env={"SLURM_CONF": CONF})  # each rank read on its node
-        requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=120, what="the requeue at the limit")
+        requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=120, what="the requeue at the limit", interval=0.5)
         job = st["job"]
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True)  # the rest runs whole
         st = wait_for(lambda: (s := status_json(cfg)["stages"]["train"])["state"] == "exited" and s, timeout=180,
@@ -356,8 +355,6 @@ def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an
     for node in NODES:
         assert re.search(rf"stack of pid \d+ \(rank [01]\) on {node} \(py-spy dump\)", why.stdout), why.stdout[-4000:]
     assert "collectives: " in why.stdout and "rank 0, process group 0: last enqueued #" in why.stdout, why.stdout[-4000:]
-    ref_out = reference.communicate(timeout=120)[0]
-    assert reference.returncode == 0, ref_out[-2000:]
     assert st["exit_code"] == 0 and st["job"] == job, (st, out[-3000:])
     assert len(requeued) == 1 and requeued[0]["how"] == "requeued" and requeued[0]["attempt"] == 1, requeued
     log = (cfg.parent / ".eagle3" / "logs" / "train.log").read_text()
@@ -367,8 +364,8 @@ def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an
     assert len(said) == 1 and f"resumes from step {saved}" in said[0], out[-3000:]
     assert not [line for line in out.splitlines() if "is dead" in line or "is stalled" in line], out[-3000:]
     rows = progress_rows(ckpt)
-    assert [r["step"] for r in rows] == list(range(1, 51)), "steps must not repeat or skip across the requeue"
-    final = progress_rows(tmp_path / "reference")[-1]
+    assert [r["step"] for r in rows] == list(range(1, TRAIN_STEPS + 1)), "steps must not repeat or skip across it"
+    final = progress_rows(request.getfixturevalue("uninterrupted_training")["ckpt"])[-1]  # built beside, once
     assert rows[-1]["loss"] == pytest.approx(final["loss"], rel=1e-5), (rows[-1], final)
     from pipeline.draft.sglang import check_export
     assert check_export(ckpt / "draft") == []
@@ -390,17 +387,17 @@ def test_a_nodes_death_mid_job_is_node_fail_a_requeue_and_one_message(two_nodes,
     try:
         assert eagle3("start", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
         st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["state"] == "running" and s["nodes"]
-                      and s, timeout=60, what="the job to run")
+                      and s, timeout=60, what="the job to run", interval=0.5)
         dead = st["nodes"]
         subprocess.run(["bash", str(CLUSTER), "node-kill", dead], check=True)
-        requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=90, what="Slurm to requeue the job")
+        requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=90, what="Slurm to requeue the job", interval=0.5)
         st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["state"] == "running" and
-                      s["nodes"] not in (None, dead) and s, timeout=120, what="the job to run on the other node")
+                      s["nodes"] not in (None, dead) and s, timeout=120, what="the job to run on the other node", interval=0.5)
     finally:
         out_text = end_serve(svc, cfg)
         if dead:  # back, and idle again, for the next run's test
             subprocess.run(["bash", str(CLUSTER), "node-up", dead], capture_output=True)
-            wait_for(lambda: node_state(dead).startswith("IDLE"), timeout=60, what=f"node {dead} back")
+            wait_for(lambda: node_state(dead).startswith("IDLE"), timeout=60, what=f"node {dead} back", interval=0.5)
     assert len(requeued) == 1 and requeued[0]["why"].startswith(f"lost node {dead} (DOWN"), requeued
     said = [line for line in out_text.splitlines() if "requeued by Slurm" in line]
     assert len(said) == 1 and f"extract lost node {dead}" in said[0], out_text[-3000:]
@@ -417,11 +414,11 @@ def test_where_srun_cannot_read_the_nodes_sstat_speaks_and_says_so(two_nodes, tm
                           "--wrap", "python3 -c 'while True: pass'"], capture_output=True, text=True, check=True)
     job_id = job.stdout.strip()
     try:
-        wait_for(lambda: job_field(job_id, "JobState") == "RUNNING", timeout=60, what="the job to run")
+        wait_for(lambda: job_field(job_id, "JobState") == "RUNNING", timeout=60, what="the job to run", interval=0.5)
         row = StageProc(id=1, stage="extract", state=StageState.RUNNING, executor="slurm", job_id=job_id,
                         job_nodes="e3n2")
         reading = wait_for(lambda: (r := RemoteProbe(every_s=1, python="/nonexistent/python").read(row)).value.get(
-            "cpu_s") and r, timeout=30, what="sstat to account some CPU")
+            "cpu_s") and r, timeout=30, what="sstat to account some CPU", interval=0.5)
         assert reading.value["remote"]["via"] == "sstat (Slurm's accounting)" and reading.value["mem_bytes"] > 0
         assert "`srun --overlap` on e3n2 failed" in reading.unknown and "from sstat" in reading.unknown, reading
         good = RemoteProbe(every_s=1).read(row)  # and the nodes' own reading where srun can run it

@@ -17,15 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.train.loop import main as train_main
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, TRAIN_ENV, TRAIN_SMALL, TRAIN_STEPS, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline.train"]
-ENV = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-           CUDA_VISIBLE_DEVICES="")  # 2 CPU processes whatever GPUs the host has (a 1-GPU host has no cuda:1)
-# Small batches and a short unroll: a seventh of the CPU of the defaults (22 CPU-s for 80 steps, measured),
-# and the draft still learns (kl 7.4 → 0.7, top-1 0.54 against a 0.014 baseline).
-SMALL = ["--token-budget", "1024", "--ttt", "3", "--lr", "1e-2"]
+ENV, SMALL = TRAIN_ENV, TRAIN_SMALL
 
 
 def torchrun(*args: str, **kw) -> subprocess.Popen:
@@ -39,14 +35,13 @@ def progress(ckpt: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_torchrun_learns_the_target_and_a_sigterm_then_resume_matches_the_uninterrupted_run(toy_extraction, tmp_path):
-    """Run a: 30 steps uninterrupted (it learns; the export loads); run b, beside it: the same run stopped
-    by SIGTERM after 8 steps, then resumed (`--lm-head`, the older name of `--target-model`)."""
+def test_torchrun_learns_the_target_and_a_sigterm_then_resume_matches_the_uninterrupted_run(
+        toy_extraction, uninterrupted_training, tmp_path):
+    """Run a: 30 steps uninterrupted (it learns; the export loads; the shared fixture, which the Slurm time-limit
+    test matches too); run b: the same run stopped by SIGTERM after 8 steps, then resumed (`--lm-head`, the older
+    name of `--target-model`)."""
     data, target = str(toy_extraction["out"]), str(toy_extraction["target"])
-    old_umask = os.umask(0o022)  # inherited by the trainers: their files must be readable by others (issue 30)
-    a = torchrun("--data", data, "--target-model", target, "--steps", "30", *SMALL, "--out", str(tmp_path / "a"))
-    os.umask(old_umask)
-    common = ["--data", data, "--lm-head", target, "--steps", "30", *SMALL]
+    common = ["--data", data, "--lm-head", target, "--steps", str(TRAIN_STEPS), *SMALL]
     b = torchrun(*common, "--out", str(tmp_path / "b"))
     wait_for(lambda: len(progress(tmp_path / "b")) >= 8, timeout=200, what="8 steps of run b")
     os.killpg(b.pid, signal.SIGTERM)
@@ -54,13 +49,12 @@ def test_torchrun_learns_the_target_and_a_sigterm_then_resume_matches_the_uninte
     assert "checkpoint saved at step" in out_b, out_b
     saved = int((tmp_path / "b" / "latest").read_text().strip().removeprefix("step_"))
     assert saved < 25
-    out = a.communicate(timeout=280)[0]
-    assert a.returncode == 0, out
+    out = uninterrupted_training["output"]
     resumed = torchrun(*common, "--out", str(tmp_path / "b"))  # resuming is the default (issue 30)
     assert resumed.communicate(timeout=280)[0] is not None and resumed.returncode == 0
 
     # run a learned, and its export is what SGLang loads
-    ckpt = tmp_path / "a"
+    ckpt = uninterrupted_training["ckpt"]
     assert "target from the final hidden state (post-norm) through the target's LM head" in out
     assert "Warning" not in out, out  # the operator's log holds the trainer's lines, not torch's deprecations
     la = progress(ckpt)

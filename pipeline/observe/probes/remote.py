@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -179,8 +180,19 @@ class RemoteProbe:
 def run_on_nodes(job_id: str, nodes: str, args: list[str], *, timeout_s: float = SRUN_TIMEOUT_S,
                  python: str = sys.executable) -> list[dict] | str:
     """`eagle3 probe --json --job JOB ARGS` on each of the job's `nodes`, inside its allocation (`srun --overlap`):
-    one JSON object a node, or why they could not be read (srun's own words)."""
-    argv = ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={nodes}", "--ntasks-per-node=1", "--quiet",
+    one JSON object a node, or why they could not be read (srun's own words). One srun a node, in parallel: srun
+    interleaves its tasks' output, and a long line (a rank's stacks, its flight-recorder dump) is cut in chunks."""
+    names = slurm.hostnames(nodes) if ("[" in nodes or "," in nodes) else [nodes]
+    if not names:
+        return f"cannot expand Slurm's node list {nodes!r}"
+    with ThreadPoolExecutor(max_workers=min(16, len(names)), thread_name_prefix="srun") as pool:
+        got = list(pool.map(lambda node: _run_on(job_id, node, args, timeout_s=timeout_s, python=python), names))
+    failed = [g for g in got if isinstance(g, str)]
+    return "; ".join(failed) if failed else [g for g in got if isinstance(g, dict)]
+
+
+def _run_on(job_id: str, node: str, args: list[str], *, timeout_s: float, python: str) -> dict | str:
+    argv = ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={node}", "--nodes=1", "--ntasks=1", "--quiet",
             f"--export=ALL,{PROBE_ENV}=1", python, "-m", NODE_PROGRAM, "--json", "--job", job_id, *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     try:
@@ -188,21 +200,19 @@ def run_on_nodes(job_id: str, nodes: str, args: list[str], *, timeout_s: float =
     except FileNotFoundError:
         return "cannot read the job's nodes: `srun` is not on PATH"
     except subprocess.TimeoutExpired:
-        return f"`{VIA}` on {nodes} did not answer within {timeout_s:.0f} s"
+        return f"`{VIA}` on {node} did not answer within {timeout_s:.0f} s"
     except OSError as exc:
         return f"cannot run srun: {exc.strerror}"
-    lines = []
-    for text in r.stdout.splitlines():
+    for text in reversed(r.stdout.splitlines()):
         try:
             line = json.loads(text)
         except ValueError:
             continue
-        if isinstance(line, dict) and "node" in line:
-            lines.append(line)
-    if r.returncode != 0 or not lines:
-        said = next((x.strip() for x in r.stderr.splitlines() if x.strip()), "") or f"exit status {r.returncode}"
-        return f"`{VIA}` on {nodes} failed: {said}"
-    return lines
+        if r.returncode == 0 and isinstance(line, dict) and "node" in line:
+            return line
+    said = next((x.strip() for x in r.stderr.splitlines() if x.strip()), "") or (
+        f"exit status {r.returncode}" if r.returncode else f"no reading in its output ({len(r.stdout)} characters)")
+    return f"`{VIA}` on {node} failed: {said}"
 
 
 def _root() -> str:
