@@ -155,8 +155,8 @@ up() {  # $1: why this cluster is to be the one node (a second try after the nam
     nodes=$HOST
     if [ ! -f "$DIR/two-nodes.unavailable" ]; then
         for n in $NODES; do
-            start_node "$n" || { up "slurmd of node $n did not start: $(tail -2 "$DIR/slurmd-$n.log" 2>/dev/null |
-                tr '\n' ' ')"; return; }  # the one node still serves every other test
+            start_node "$n" || { one_node "slurmd of node $n did not start: $(tail -2 "$DIR/slurmd-$n.log" 2>/dev/null |
+                tr '\n' ' ')"; return; }
         done
         nodes="$HOST ${NODES}"
     fi
@@ -172,11 +172,17 @@ up() {  # $1: why this cluster is to be the one node (a second try after the nam
     done
     said="the nodes did not become idle: $(sinfo 2>&1 | tail -3 | tr '\n' ' '); see $DIR/slurmctld.log and $DIR/slurmd-*.log"
     if [ "$nodes" != "$HOST" ] && [ "$(sinfo -h -n "$HOST" -o %t 2>/dev/null)" = idle ]; then
-        up "$said"  # this host's node works: the one-node cluster, the namespaced nodes' failure said
+        one_node "$said"
         return
     fi
     say "$said"
     exit 4
+}
+
+# The namespaced nodes failed: start again as the one-node cluster, which still serves every other test, with why.
+one_node() {
+    down >/dev/null 2>&1 || true
+    up "$1"
 }
 
 # `cluster.sh node-up NODE` / `node-kill NODE`: a namespaced node's slurmd back, or the node killed as a
