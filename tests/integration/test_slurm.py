@@ -322,7 +322,7 @@ def test_a_remote_stage_stopped_with_sigstop_is_stalled_by_its_nodes_readings(tw
 
 
 def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an_uninterrupted_run(
-        two_nodes, toy_extraction, tmp_path, request):
+        two_nodes, toy_extraction, uninterrupted_training, tmp_path):
     """torchrun under srun on both nodes (c10d rendezvous on the first), with a 1-minute limit: Slurm's warning
     (USR1) makes it checkpoint, the job requeues itself, the channel says so once, and the run resumes from the
     saved step to the same final loss as an uninterrupted run beside it, and exports its draft."""
@@ -365,7 +365,7 @@ def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an
     assert not [line for line in out.splitlines() if "is dead" in line or "is stalled" in line], out[-3000:]
     rows = progress_rows(ckpt)
     assert [r["step"] for r in rows] == list(range(1, TRAIN_STEPS + 1)), "steps must not repeat or skip across it"
-    final = progress_rows(request.getfixturevalue("uninterrupted_training")["ckpt"])[-1]  # built beside, once
+    final = progress_rows(uninterrupted_training["ckpt"])[-1]
     assert rows[-1]["loss"] == pytest.approx(final["loss"], rel=1e-5), (rows[-1], final)
     from pipeline.draft.sglang import check_export
     assert check_export(ckpt / "draft") == []

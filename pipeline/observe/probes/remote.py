@@ -130,6 +130,7 @@ class RemoteProbe:
         self.every_s, self.fake_gpus, self.clock, self.python, self.timeout_s = every_s, fake_gpus, clock, python, timeout_s
         self._lock = threading.Lock()
         self._last: dict[str, tuple[float, dict, str]] = {}  # job id → (when read, the reading, how)
+        self._failed: dict[str, tuple[float, Reading]] = {}  # job id → (when it last could not be read, what was said)
 
     def read(self, row: StageProc, *, files_dir: str | None = None, suffix: str = "") -> Reading:
         """The process section for a running Slurm job: Slurm's word that it runs, and its processes' figures read
@@ -139,19 +140,24 @@ class RemoteProbe:
                 "queued": False}
         job = row.job_id or ""
         with self._lock:
-            held = self._last.get(job)
+            held, failed = self._last.get(job), self._failed.get(job)
+        if failed is not None and now - failed[0] < self.every_s:
+            return failed[1]  # tried again no sooner than a reading would be
         if held is None or now - held[0] >= self.every_s:
             got = self._fresh(row, files_dir=files_dir, suffix=suffix)
             if isinstance(got, str):
                 why = f"{got}; Slurm says job {job} is running" + (
                     f" (the last reading, {now - held[0]:.0f}s old, is not used)" if held else "")
                 second = slurm.sstat(job)  # Slurm's own accounting speaks where the nodes could not be read
-                if isinstance(second, dict):
-                    return Reading(t=now, value={**base, **second, "remote": {
-                        "via": "sstat (Slurm's accounting)", "age_s": 0.0, "nodes": {}}},
-                        unknown=f"{why}; CPU time and memory from sstat (Slurm's accounting)")
-                return Reading(t=now, value=base, unknown=f"{why}; {second}")
+                reading = Reading(t=now, value={**base, **second, "remote": {
+                    "via": "sstat (Slurm's accounting)", "age_s": 0.0, "nodes": {}}},
+                    unknown=f"{why}; CPU time and memory from sstat (Slurm's accounting)") \
+                    if isinstance(second, dict) else Reading(t=now, value=base, unknown=f"{why}; {second}")
+                with self._lock:
+                    self._failed[job] = (now, reading)
+                return reading
             with self._lock:
+                self._failed.pop(job, None)
                 held = self._last[job] = (self.clock(), got[0], got[1])
         t, value, how = held
         return Reading(t=now, value={**base, **value, "remote": {"via": how, "age_s": round(max(0.0, now - t), 1),
@@ -162,6 +168,8 @@ class RemoteProbe:
         with self._lock:
             for job in set(self._last) - keep:
                 del self._last[job]
+            for job in set(self._failed) - keep:
+                del self._failed[job]
 
     def _fresh(self, row: StageProc, *, files_dir: str | None, suffix: str) -> tuple[dict, str] | str:
         """(the combined reading, how it was read), or why it could not be."""
