@@ -181,6 +181,8 @@ class Sampler:
                 where = f"runs on {row.job_nodes or row.job_host}" if row.job_host else "has no node yet"
                 reading = Reading(t=reading.t, value=remote[0], unknown=None if remote[0] is not None else (
                     f"remote: Slurm job {row.job_id} {where}; " + (remote[1] or "its nodes have not been read")))
+            if section == "files" and reading.unknown and (seen := _node_files(obs.get("process"), row.job_host)):
+                reading = Reading(t=reading.t, value=seen)  # a directory this host does not see: as its node counts it
             obs[section] = reading.value
             if reading.unknown:
                 obs.setdefault("unknown", {})[section] = reading.unknown
@@ -273,6 +275,13 @@ def time_limit_warning(row: StageProc, eta_s: float | None, *, now: float, reque
             f"it will be killed at the limit: extend it (`scontrol update JobId={row.job_id} TimeLimit=…`)")
     return (f"{row.stage} has {fmt_s(max(left, 0.0))} of {limit_text(row.job_limit_s)} left (Slurm job {row.job_id}) "
             f"and needs about {fmt_s(eta_s)} more: {then}")
+
+
+def _node_files(process: dict | None, host: str | None) -> dict | None:
+    """The output directory's files as the job's batch host read them (a directory the controller cannot read)."""
+    nodes = ((process or {}).get("remote") or {}).get("nodes") or {}
+    node = nodes.get(host) if host else None
+    return node.get("files") if isinstance(node, dict) and isinstance(node.get("files"), dict) else None
 
 
 def _remote_parts(reading: Reading | None) -> tuple[list | None, str | None]:

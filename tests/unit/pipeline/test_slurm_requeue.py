@@ -208,3 +208,11 @@ def test_sstats_figures_are_added_up_over_the_jobs_steps(monkeypatch):
                                  "gpu_util": 180.0, "gpu_mem_bytes": 3 * 2**30}
     monkeypatch.setattr(slurm, "_run", lambda argv, **_: subprocess.CompletedProcess(argv, 0, "", ""))
     assert "no step accounted (JobAcctGatherType)" in slurm.sstat("41")
+
+
+def test_a_directory_this_host_cannot_read_is_counted_as_the_jobs_node_counts_it():
+    from pipeline.observe.sampler import _node_files
+
+    process = {"remote": {"nodes": {"gpu-1": {"files": {"count": 7, "bytes": 70}}, "gpu-2": {"members": 1}}}}
+    assert _node_files(process, "gpu-1") == {"count": 7, "bytes": 70}
+    assert _node_files(process, "gpu-2") is None and _node_files(process, None) is None and _node_files(None, "x") is None
