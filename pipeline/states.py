@@ -52,8 +52,8 @@ class StageProc:
     job_name: str | None = None
     job_id: str | None = None
     job_host: str | None = None
-    # what the cluster last said of the job: its JobState, its NodeList, Slurm's requeues of it (Restarts), its time
-    # limit, and when that limit ends it (while it runs)
+    # what the cluster said of the job: its JobState at its end, its NodeList, Slurm's requeues of it (Restarts), its
+    # time limit, and when that limit ends it (while it runs)
     job_state: str | None = None
     job_nodes: str | None = None
     job_restarts: int | None = None

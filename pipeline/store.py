@@ -98,8 +98,8 @@ def m007_restart_state(db: Database) -> None:
 
 @migrations()
 def m008_job_follow(db: Database) -> None:
-    """What the cluster last said of a Slurm job: its state (an interrupted end is told from the stage's own), its
-    nodes, how often Slurm requeued it, and when its time limit ends it."""
+    """What the cluster said of a Slurm job: its state at its end (an interrupted end is told from the stage's own),
+    its nodes, how often Slurm requeued it, its time limit and when that limit ends it."""
     db.table("stage_procs").add_column("job_state", str)
     db.table("stage_procs").add_column("job_nodes", str)
     db.table("stage_procs").add_column("job_restarts", int)

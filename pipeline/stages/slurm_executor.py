@@ -61,16 +61,13 @@ class SlurmExecutor:
             transition(self.store, proc, StageState.QUEUED, reason=f"queued: Slurm job {proc.job_id} is {info.state} "
                                                                    f"({info.reason or 'waiting to be scheduled'}{again})")
         elif info.active:
-            seen = {"job_host": info.host, "job_nodes": info.nodes, "job_state": info.state,
-                    "job_limit_s": info.limit_s, "job_end_at": info.end_at}
-            changed = {k: v for k, v in seen.items() if v is not None and getattr(proc, k) != v}
-            if changed:
-                record(self.store, proc, **changed)
+            self._seen(proc, info)
             transition(self.store, proc, StageState.RUNNING, reason=f"Slurm job {proc.job_id} is {info.state}")
             state = self.ws.config.state  # the job appends to the stage's log; it is rotated here, as the runner does
             rotate_in_place(Path(proc.log or self.ws.log_path(proc.stage)), max_bytes=state.log_max_bytes,
                             keep=state.log_keep)
         elif info.ended:
+            self._seen(proc, info)  # a job that ran and ended between two looks: where it ran, all the same
             target = StageState.STOPPED if proc.stop_requested else StageState.EXITED
             transition(self.store, proc, target, ended_at=self.host.clock(), exit_code=info.exit_code, job_state=info.state,
                        signal=info.signal, reason=info.describe_stop() if proc.stop_requested else info.describe())
@@ -78,6 +75,13 @@ class SlurmExecutor:
         else:
             transition(self.store, proc, StageState.UNKNOWN, reason=f"Slurm job {proc.job_id} is in state "
                                                                     f"{info.state or '?'}")
+
+    def _seen(self, proc: StageProc, info: slurm.JobInfo) -> None:
+        """Where the job runs (or ran), its time limit and when that limit ends it, as the cluster says now."""
+        seen = {"job_host": info.host, "job_nodes": info.nodes, "job_limit_s": info.limit_s, "job_end_at": info.end_at}
+        changed = {k: v for k, v in seen.items() if v is not None and getattr(proc, k) != v}
+        if changed:
+            record(self.store, proc, **changed)
 
     def _requeued(self, proc: StageProc, info: slurm.JobInfo) -> bool:
         """Slurm requeued the job (its restarts went up): after the stage stopped at the time-limit warning (the
