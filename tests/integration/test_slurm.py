@@ -344,8 +344,9 @@ def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an
         wait_for(lambda: (ckpt / "progress.jsonl").exists() and len(progress_rows(ckpt)) >= 2, timeout=60,
                  what="two steps", interval=0.5)
         why = eagle3("why", "train", "--config", str(cfg), env={"SLURM_CONF": CONF})  # each rank read on its node
-        requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=120, what="the requeue at the limit", interval=0.5)
-        job = st["job"]
+        requeued = wait_for(lambda: events(cfg, "stage-requeued"), timeout=120, what="the requeue at the limit",
+                            interval=0.5)
+        job = requeued[0]["job_id"]  # the same job, requeued by itself (or, had its stop outlasted the limit, a new one)
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True)  # the rest runs whole
         st = wait_for(lambda: (s := status_json(cfg)["stages"]["train"])["state"] == "exited" and s, timeout=180,
                       interval=1, what="the resumed training to end")
@@ -356,12 +357,16 @@ def test_a_two_node_training_hits_its_time_limit_requeues_resumes_and_ends_as_an
         assert re.search(rf"stack of pid \d+ \(rank [01]\) on {node} \(py-spy dump\)", why.stdout), why.stdout[-4000:]
     assert "collectives: " in why.stdout and "rank 0, process group 0: last enqueued #" in why.stdout, why.stdout[-4000:]
     assert st["exit_code"] == 0 and st["job"] == job, (st, out[-3000:])
+    # Slurm's warning, the checkpoint, the job requeueing itself: the path taken whenever the stage stops within
+    # the warning's time (a stop outlasting it would end TIMEOUT and be submitted again: "resubmitted")
     assert len(requeued) == 1 and requeued[0]["how"] == "requeued" and requeued[0]["attempt"] == 1, requeued
     log = (cfg.parent / ".eagle3" / "logs" / "train.log").read_text()
-    saved = int(re.search(r"SIGTERM: checkpoint saved at step (\d+)", log).group(1))
+    m = re.search(r"SIGTERM: checkpoint saved at step (\d+)", log)
+    saved = int(m.group(1)) if m else None  # None: the warning came while the ranks were still starting
     assert requeued[0]["resume_step"] == saved and "reached its 1m time limit" in requeued[0]["why"], requeued
     said = [line for line in out.splitlines() if "requeued by Slurm" in line]
-    assert len(said) == 1 and f"resumes from step {saved}" in said[0], out[-3000:]
+    assert len(said) == 1, out[-3000:]
+    assert (f"resumes from step {saved}" if saved else "starts again from its beginning") in said[0], said
     assert not [line for line in out.splitlines() if "is dead" in line or "is stalled" in line], out[-3000:]
     rows = progress_rows(ckpt)
     assert [r["step"] for r in rows] == list(range(1, TRAIN_STEPS + 1)), "steps must not repeat or skip across it"
