@@ -431,7 +431,9 @@ class Controller:
                         eta_low_s=None, eta_high_s=None, reasons=(why,))
         obs = self.store.latest_observation(stage) or {}
         readings: dict[str, Any] = {k: obs.get(k) for k in READING_KEYS}
-        return replace(st, observed=True, diagnosis=v, gaps=obs.get("unknown"), **readings)
+        remote = (obs.get("process") or {}).get("remote") if proc.is_job else None
+        read = {"via": remote.get("via"), "age_s": remote.get("age_s")} if isinstance(remote, dict) else None
+        return replace(st, observed=True, diagnosis=v, gaps=obs.get("unknown"), read=read, **readings)
 
     def state_version(self) -> StateVersion:
         """What a button was rendered against: the run and the handoff step (a stale button changes nothing)."""

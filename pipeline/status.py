@@ -39,6 +39,9 @@ class StageStatus:
     stop_requested: bool = False
     job: str | None = None  # the Slurm job id of a stage run as a job (the key is absent for local stages)
     nodes: str | None = None  # the job's nodes as Slurm lists them ("gpu-[017-018]"), once it runs (else absent)
+    # where a Slurm job's processes were last read and how ({"via": "srun --overlap on gpu-017", "age_s": 3.0}: the
+    # reading's age at the observation); absent for a local stage
+    read: dict | None = None
     out: str | None = None  # its output as its run sees it (`{run}` expanded); the key is absent where none is set
     observed: bool = False  # a verdict of this very process is stored (else: "not observed yet")
     # the stored verdict of this process (its fields are StoredVerdict's, declared there once and read here as
@@ -96,6 +99,8 @@ class StageStatus:
             out["job"] = self.job
         if self.nodes is not None:
             out["nodes"] = self.nodes
+        if self.read is not None:
+            out["read"] = self.read
         if self.out is not None:
             out["out"] = self.out
         if not self.started:

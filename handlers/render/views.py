@@ -71,7 +71,9 @@ def stage_line(name: str, st: StageStatus, current: str | None = None) -> str:
     if st.pid:
         parts.append(f"pid {st.pid}")
     if st.job:
-        parts.append(f"Slurm job {st.job}" + (f" on {st.nodes}" if st.nodes else ""))
+        parts.append(f"Slurm job {st.job}" + (f" on {st.nodes}" if st.nodes else "")
+                     + (f" (read through {st.read['via']}, {ago(st.read.get('age_s') or 0)} old at its observation)"
+                        if st.read else ""))
     if st.running:
         parts.append(f"up {ago(st.uptime_s)}")
     elif st.ended_at:

@@ -284,7 +284,9 @@ def test_a_remote_stage_stopped_with_sigstop_is_stalled_by_its_nodes_readings(tw
         assert eagle3("start", "extract", "--config", str(cfg), env={"SLURM_CONF": CONF}).returncode == 0
         st = wait_for(lambda: (s := status_json(cfg)["stages"]["extract"])["verdict"] == "progressing" and s,
                       timeout=90, what="the remote extraction to progress", interval=0.5)
-        assert st["nodes"] == "e3n1" and st["job"], st
+        assert st["nodes"] == "e3n1" and st["job"] and st["read"]["via"] == "srun --overlap on e3n1", st
+        shown = eagle3("status", "--config", str(cfg), env={"SLURM_CONF": CONF}).stdout
+        assert re.search(rf"Slurm job {st['job']} on e3n1 \(read through srun --overlap on e3n1, \d+s old", shown), shown
         with Controller.open(str(cfg)) as ctl:
             obs = ctl.store.latest_observation("extract")
         process = obs["process"]
