@@ -221,7 +221,7 @@ def cmd_status(args) -> int:
                arg("-n", type=int, default=50, help="lines to show (default 50)")))
 def cmd_logs(args) -> int:
     with _controller(args) as ctl:
-        path, lines = ctl.logs(args.stage, lines=args.n)
+        path, lines = ctl.logs(args.stage, lines=args.n, on_node=True)
     if not lines:
         print(f"{args.stage}: no output yet in {path}", file=sys.stderr)
     for line in lines:

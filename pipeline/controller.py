@@ -449,14 +449,15 @@ class Controller:
         ev = forensics.gather(self.ws.for_run(run), self.store, stage, native=native)
         return ev, forensics.keep(self.ws, ev, run)
 
-    def logs(self, stage: str, *, lines: int = 50) -> tuple[Path, list[str]]:
-        """The last lines of a stage's log; for a running Slurm job whose log is not on a filesystem this host sees,
-        read where its batch script runs, through `srun --overlap`."""
+    def logs(self, stage: str, *, lines: int = 50, on_node: bool = False) -> tuple[Path, list[str]]:
+        """The last lines of a stage's log. `on_node` (the CLI's): for a running Slurm job on another host, read where
+        its batch script runs, through `srun --overlap` (its log may be on that node's disk only); never asked on
+        Slack's request path, which reads this host's copy without waiting on the cluster."""
         self._check_stage(stage)
         proc = self.store.latest_proc(stage)
         path = self.ws.for_run(proc.run_id if proc else None).log_path(stage)
-        remote = proc is not None and proc.is_job and proc.state == StageState.RUNNING and bool(proc.job_host) \
-            and not is_local_host(proc.job_host)
+        remote = on_node and proc is not None and proc.is_job and proc.state == StageState.RUNNING \
+            and bool(proc.job_host) and not is_local_host(proc.job_host)
         if not remote or proc is None or proc.job_host is None:
             return path, tail_lines(path, lines)
         got = run_on_nodes(proc.job_id or "", proc.job_host, ["--tail", str(path), "--lines", str(lines)])

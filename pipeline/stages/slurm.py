@@ -30,6 +30,7 @@ INTERRUPTED = frozenset({"TIMEOUT", "PREEMPTED", "NODE_FAIL"})
 # The batch script's exit status when the stage stopped at Slurm's time-limit warning and the job was not requeued
 LIMIT_EXIT = 75
 LIMIT_MARK = "eagle3: Slurm's warning before the job's time limit"  # a line of the stage's log
+REQUEUE_LINE = "requeueing job {job}, restart {restart}"  # the script's line when it requeues itself (the executor reads it)
 
 
 class SlurmError(Exception):
@@ -95,12 +96,13 @@ def _run(argv: list[str], *, env: dict | None = None) -> subprocess.CompletedPro
 
 
 def duration_s(text: str | None) -> float | None:
-    """Slurm's [days-]hours:minutes:seconds (or minutes:seconds) as seconds; None for UNLIMITED or unreadable."""
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", (text or "").strip())
+    """Slurm's [days-]hours:minutes:seconds[.fraction] (or minutes:seconds) as seconds; None for UNLIMITED or
+    unreadable (TimeLimit=1-02:03:04, sstat's cpu=01:02.500)."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)", (text or "").strip())
     if not m:
         return None
-    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
-    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    days, hours, minutes = (int(g or 0) for g in m.groups()[:3])
+    return ((days * 24 + hours) * 60 + minutes) * 60 + float(m.group(4))
 
 
 def _epoch(text: str | None) -> float | None:
@@ -194,11 +196,7 @@ def _tres_number(key: str, text: str) -> float | None:
     """One TRES figure of sstat's TresUsageInTot: cpu as seconds ("1-02:03:04", "00:00:03", "01:02.500"), memory
     as bytes ("14796K"), the rest as numbers."""
     if key == "cpu":
-        m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)", text)
-        if not m:
-            return None
-        days, hours, minutes = (int(g or 0) for g in m.groups()[:3])
-        return ((days * 24 + hours) * 60 + minutes) * 60 + float(m.group(4))
+        return duration_s(text)
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", text)
     return float(m.group(1)) * _UNITS[m.group(2)] if m else None
 
@@ -297,8 +295,8 @@ def _wrapped(command: str, *, requeue_below: int | None, steps: bool) -> str:
     stop = 'scancel --signal=TERM "$SLURM_JOB_ID"' if steps else 'kill -TERM "$eagle3_child" 2>/dev/null'
     requeue = "" if requeue_below is None else (
         f'if [ -n "$eagle3_limit" ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {requeue_below} ]; then\n'
-        '    echo "eagle3: the stage stopped (exit status $eagle3_code); requeueing job $SLURM_JOB_ID, restart '
-        '$(( ${SLURM_RESTART_COUNT:-0} + 1 ))"\n'
+        '    echo "eagle3: the stage stopped (exit status $eagle3_code); '
+        + REQUEUE_LINE.format(job="$SLURM_JOB_ID", restart="$(( ${SLURM_RESTART_COUNT:-0} + 1 ))") + '"\n'
         '    scontrol requeue "$SLURM_JOB_ID" && sleep 60\n'
         "fi\n")
     return (

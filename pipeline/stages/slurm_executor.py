@@ -107,7 +107,7 @@ class SlurmExecutor:
         """What ended the job's last allocation: its time limit (the batch script said it requeued itself), a node
         Slurm now reports down, or neither (a preemption, `scontrol requeue`)."""
         try:
-            said = any(f"requeueing job {proc.job_id}, restart {restart}" in line
+            said = any(slurm.REQUEUE_LINE.format(job=proc.job_id, restart=restart) in line
                        for line in tail_lines(Path(proc.log or self.ws.log_path(proc.stage)), 200))
         except OSError:
             said = False

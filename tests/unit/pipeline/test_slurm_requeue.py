@@ -216,3 +216,20 @@ def test_a_directory_this_host_cannot_read_is_counted_as_the_jobs_node_counts_it
     process = {"remote": {"nodes": {"gpu-1": {"files": {"count": 7, "bytes": 70}}, "gpu-2": {"members": 1}}}}
     assert _node_files(process, "gpu-1") == {"count": 7, "bytes": 70}
     assert _node_files(process, "gpu-2") is None and _node_files(process, None) is None and _node_files(None, "x") is None
+
+
+def test_logs_of_a_remote_job_wait_on_the_cluster_only_when_the_cli_asks(train_ws, monkeypatch):
+    """`/eagle3 logs` (Slack's 3 s) reads this host's copy; `eagle3 logs` reads the node's through srun."""
+    import pipeline.controller as controller_module
+    from pipeline.controller import Controller
+
+    ws, store = train_ws
+    job_row(store, job_host="gpu-9", log=str(ws.log_path("train")))
+    ws.log_path("train").parent.mkdir(parents=True, exist_ok=True)
+    ws.log_path("train").write_text("here\n")
+    asked = []
+    monkeypatch.setattr(controller_module, "run_on_nodes",
+                        lambda job, node, args, **_: asked.append(node) or [{"node": node, "lines": ["there"]}])
+    ctl = Controller(workspace=ws, store=store)
+    assert ctl.logs("train")[1] == ["here"] and asked == []
+    assert ctl.logs("train", on_node=True)[1] == ["there"] and asked == ["gpu-9"]
